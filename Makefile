@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make train` (set up, train the default config, print a sample)
+# and `make test` (set up, run the tests). Both create or update .venv from constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny.py
+WORKDIR ?= runs/tiny
+PYTEST_ARGS ?= -m "not slow"
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $@
+
+.PHONY: setup train test test-all bench
+setup: $(VENV)/.installed
+
+train: setup
+	$(PY) -m jaxtrain train --config=$(CONFIG) --workdir=$(WORKDIR)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest -q -m ""
+
+bench: setup
+	$(PY) benchmarks/train_step.py

@@ -1,0 +1,216 @@
+"""The config schema: every key, its default and its checks. No jax import here.
+
+A config file in `configs/` starts from `default_config()` and changes values. `validate(cfg,
+device_count)` runs before anything is compiled and raises `ConfigError` with one line.
+"""
+
+import ml_collections
+
+PRESETS = ("dp", "fsdp", "fsdp_tp")
+REMAT = ("none", "dots", "full")
+SCHEDULES = ("cosine", "wsd", "constant")
+OPTIMIZERS = ("adamw", "muon")
+DATA_KINDS = ("synthetic", "bytes")
+DTYPES = ("float32", "bfloat16")
+MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot run; the message is one line for the user."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 256
+  m.d_model = 128
+  m.n_layers = 2
+  m.n_heads = 4
+  m.n_kv_heads = 4
+  m.head_dim = 32
+  m.d_ff = 512
+  m.max_seq_len = 256
+  m.rope_theta = 10000.0
+  m.tie_embeddings = True
+  m.norm_eps = 1e-6
+  m.param_dtype = "float32"
+  m.compute_dtype = "float32"
+  m.remat = "none"  # one of REMAT
+  m.scan_layers = True  # False unrolls the layer loop (same parameter tree); faster on CPU
+  m.init_std = 0.02
+
+  c.data = d = ml_collections.ConfigDict()
+  d.kind = "synthetic"  # one of DATA_KINDS
+  d.path = ""  # bytes: a file, directory or glob of text files
+  d.symbols = 200  # synthetic: alphabet of the random half
+  d.stop_prob = 1 / 16  # synthetic: chance that the random half ends after each symbol
+  d.max_symbols = 48  # synthetic: the random half never exceeds this
+  d.eval_fraction = 0.05  # bytes: share of documents held out
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 600
+  t.batch_size = 32
+  t.seq_len = 128
+  t.seed = 0
+  t.microbatches = 1
+  t.log_every = 20
+  t.eval_every = 200
+  t.eval_batches = 4
+  t.z_loss = 0.0
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.name = "adamw"  # one of OPTIMIZERS
+  o.lr = 3e-3
+  o.schedule = "cosine"  # one of SCHEDULES
+  o.warmup_steps = 50
+  o.decay_fraction = 0.2  # wsd: share of steps spent decaying at the end
+  o.min_lr_ratio = 0.1
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.1
+  o.grad_clip = 1.0  # global norm; 0 disables
+  o.skip_nonfinite = True
+
+  c.mesh = x = ml_collections.ConfigDict()
+  x.replica = 1
+  x.data = -1
+  x.fsdp = 1
+  x.expert = 1
+  x.tensor = 1
+  x.rules = "fsdp"  # one of PRESETS
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  k.every_steps = 0  # 0: only at the end
+
+  c.sample = s = ml_collections.ConfigDict()
+  s.prompt = ""
+  s.max_new_tokens = 64
+  s.temperature = 0.8
+  s.top_k = 20
+  return c
+
+
+def mesh_shape(cfg, device_count: int) -> dict[str, int]:
+  """Mesh axis sizes with the one -1 filled from the device count."""
+  sizes = {a: int(cfg.mesh[a]) for a in MESH_AXES}
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ConfigError(f"mesh: only one axis may be -1, got {', '.join(free)}")
+  if any(s == 0 or s < -1 for s in sizes.values()):
+    raise ConfigError(f"mesh: axis sizes must be positive or -1, got {sizes}")
+  fixed = 1
+  for a, s in sizes.items():
+    if s != -1:
+      fixed *= s
+  if free:
+    if device_count % fixed:
+      raise ConfigError(
+          f"mesh: fixed axes multiply to {fixed}, which does not divide the {device_count} devices")
+    sizes[free[0]] = device_count // fixed
+  elif fixed != device_count:
+    raise ConfigError(f"mesh: axes multiply to {fixed} but there are {device_count} devices")
+  return sizes
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ConfigError(f"{name}: unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+def validate(cfg, device_count: int) -> dict[str, int]:
+  """Raises ConfigError (one line) for a config that cannot run; returns the mesh shape."""
+  m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+  _check_choice("mesh.rules", cfg.mesh.rules, PRESETS)
+  _check_choice("model.remat", m.remat, REMAT)
+  _check_choice("model.param_dtype", m.param_dtype, DTYPES)
+  _check_choice("model.compute_dtype", m.compute_dtype, DTYPES)
+  _check_choice("optim.name", o.name, OPTIMIZERS)
+  _check_choice("optim.schedule", o.schedule, SCHEDULES)
+  _check_choice("data.kind", d.kind, DATA_KINDS)
+  shape = mesh_shape(cfg, device_count)
+  for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+              "max_seq_len"):
+    if m[key] <= 0:
+      raise ConfigError(f"model.{key} must be positive, got {m[key]}")
+  for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every"):
+    if t[key] <= 0:
+      raise ConfigError(f"train.{key} must be positive, got {t[key]}")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+  tp = shape["tensor"]
+  for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    if m[key] % tp:
+      raise ConfigError(f"model.{key}={m[key]} is not divisible by the tensor axis ({tp})")
+  if cfg.mesh.rules in ("fsdp", "fsdp_tp") and m.d_model % shape["fsdp"]:
+    raise ConfigError(f"model.d_model={m.d_model} is not divisible by the fsdp axis ({shape['fsdp']})")
+  if t.seq_len > m.max_seq_len:
+    raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}")
+  data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
+  if t.batch_size % (data_ways * t.microbatches):
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) "
+        f"over the {data_ways} data-parallel devices (replica*data*fsdp*expert)")
+  if d.kind == "synthetic" and d.symbols + 4 > m.vocab_size:
+    raise ConfigError(f"data.symbols={d.symbols} needs model.vocab_size >= {d.symbols + 4}")
+  if d.kind == "synthetic" and not 0 < d.stop_prob < 1:
+    raise ConfigError(f"data.stop_prob must be in (0, 1), got {d.stop_prob}")
+  if d.kind == "synthetic" and not 1 <= d.max_symbols <= d.symbols:
+    raise ConfigError(f"data.max_symbols must be in [1, data.symbols], got {d.max_symbols}")
+  if d.kind == "bytes" and m.vocab_size < 258:
+    raise ConfigError(f"data.kind='bytes' needs model.vocab_size >= 258, got {m.vocab_size}")
+  if d.kind == "bytes" and not d.path:
+    raise ConfigError("data.path is empty; data.kind='bytes' needs a file, directory or glob")
+  if o.lr <= 0:
+    raise ConfigError(f"optim.lr must be positive, got {o.lr}")
+  if o.warmup_steps >= t.steps and t.steps > 1:
+    raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}")
+  return shape
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """`path/to/NAME.py[:ARG]` -> the file's get_config(ARG) (ARG is None when absent)."""
+  import importlib.util
+  import os
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config: no such file {path!r}")
+  module_spec = importlib.util.spec_from_file_location(f"_jaxtrain_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"--config: {path} has no get_config(arg) function")
+  return module.get_config(arg or None)
+
+
+def _parse_value(key: str, text: str, current):
+  """`text` as the type of the current value; one-line ConfigError when it does not fit."""
+  if isinstance(current, bool):
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ConfigError(f"--config.{key}: expected true or false, got {text!r}")
+  for kind in (int, float):
+    if isinstance(current, kind):
+      try:
+        return kind(text) if kind is float else int(text, 0)
+      except ValueError:
+        raise ConfigError(f"--config.{key}: expected {kind.__name__}, got {text!r}") from None
+  return text
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
+  """Sets dotted keys from strings, typed as their defaults; unknown keys are refused."""
+  for key, text in overrides.items():
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+      if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+        raise ConfigError(f"--config.{key}: unknown config key")
+      node = node[part]
+    if leaf not in node or isinstance(node[leaf], ml_collections.ConfigDict):
+      raise ConfigError(f"--config.{key}: unknown config key")
+    node[leaf] = _parse_value(key, text, node[leaf])
+  return cfg

@@ -1,0 +1,103 @@
+"""Metric sinks (metrics.jsonl, TensorBoard), FLOP counting and model FLOPs utilization (MFU).
+
+A sink: it takes plain dicts and numbers and imports nothing else from jaxtrain.
+"""
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense peak FLOP/s per chip, by device_kind substring (vendor datasheets, no sparsity).
+PEAK_FLOPS = {
+    "H200": {"bfloat16": 989e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "L4": {"bfloat16": 121e12, "float32": 30e12},
+    "TPU v4": {"bfloat16": 275e12, "float32": 275e12},
+    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12},
+    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "TPU v6": {"bfloat16": 918e12, "float32": 918e12},
+}
+
+
+def train_flops_per_token(n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size, seq_len):
+  """Matmul FLOPs of forward + backward per token: 6 * (matmul params) + attention.
+
+  Attention counts QK^T and PV over the full L x L score matrix (as computed, no causal halving):
+  per layer forward 2 * 2 * L * H * K per token (Chowdhery et al., 2022, appendix B)."""
+  attn_proj = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
+  mlp = 3 * d_model * d_ff
+  matmul_params = n_layers * (attn_proj + mlp) + d_model * vocab_size  # output projection
+  attention = n_layers * 4 * seq_len * n_heads * head_dim
+  return 6 * matmul_params + 3 * attention
+
+
+def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> float:
+  """FLOP/s of a large square matmul on the default device: the CPU's practical peak."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * n**3 / float(np.median(times))
+
+
+_measured_peak = {}
+
+
+def peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
+  """Peak FLOP/s of one local device: the table for known accelerators, else a probe (cached)."""
+  device = jax.local_devices()[0]
+  for name, peaks in PEAK_FLOPS.items():
+    if name in device.device_kind:
+      return peaks[dtype_name], f"table:{name}"
+  if dtype_name not in _measured_peak:
+    _measured_peak[dtype_name] = measure_matmul_peak(dtype=jnp.dtype(dtype_name))
+  # On CPU the virtual devices share the cores: the probe measures the whole host.
+  return _measured_peak[dtype_name], f"probe:{device.platform}"
+
+
+class MetricsWriter:
+  """Appends one JSON object per logged step to DIR/metrics.jsonl and scalars to DIR/tb/."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:
+      return
+    from tensorboardX import SummaryWriter  # optional sink; imported only when writing
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, scalars: dict):
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _plain(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(row) + "\n")
+    self._jsonl.flush()
+    for k, v in row.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self._tb.add_scalar(k, v, int(step))
+
+  def close(self):
+    if self.enabled:
+      self._jsonl.close()
+      self._tb.close()
+
+
+def _plain(v):
+  v = np.asarray(v)
+  return v.item() if v.size == 1 else v.tolist()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The rows of DIR/metrics.jsonl."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,2 @@
+from jaxtrain.model.decode import generate, init_cache, decode_logits
+from jaxtrain.model.transformer import ModelConfig, Transformer, param_count

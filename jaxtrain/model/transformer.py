@@ -1,0 +1,125 @@
+"""A Llama-style decoder: embedding, [RMSNorm -> GQA -> RMSNorm -> SwiGLU] x N, norm, logits.
+
+Layers are always stacked under `params/layers` with a leading `layers` axis (nn.scan), so the
+scanned and the unrolled (`scan_layers=False`, scan fully unrolled) models share one parameter tree.
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.model import axes
+from jaxtrain.model.attention import Attention, attention_mask
+from jaxtrain.model.layers import RMSNorm, constrain, param
+from jaxtrain.model.mlp import Mlp
+
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  max_seq_len: int
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-6
+  param_dtype: jnp.dtype = jnp.float32
+  compute_dtype: jnp.dtype = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = True
+  init_std: float = 0.02
+
+  @classmethod
+  def from_config(cls, m) -> "ModelConfig":
+    """From the `model` section of a config (dtype names become dtypes)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in m.items() if k in fields}
+    values["param_dtype"] = DTYPES[m.param_dtype]
+    values["compute_dtype"] = DTYPES[m.compute_dtype]
+    return cls(**values)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder layer; the scan body, so it returns (carry, None)."""
+  cfg: ModelConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, mask_BLS):
+    c = self.cfg
+    h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x_BLD)
+    x_BLD = x_BLD + Attention(c, self.decode, name="attn")(h_BLD, positions_BL, mask_BLS)
+    h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
+    x_BLD = x_BLD + Mlp(c, name="mlp")(h_BLD)
+    return constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED)), None
+
+
+def stacked_layers(cfg: ModelConfig, decode: bool) -> nn.Module:
+  """The N blocks as one nn.scan, rematerialized by policy; the name fixes the parameter path."""
+  block = Block
+  if cfg.remat != "none":
+    block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+  scanned = nn.scan(
+      block,
+      variable_axes={"params": 0, "cache": 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast, nn.broadcast),
+      length=cfg.n_layers,
+      unroll=1 if cfg.scan_layers else cfg.n_layers,
+      metadata_params={nn.PARTITION_NAME: axes.LAYERS},
+  )
+  return scanned(cfg, decode, name="layers")
+
+
+class Transformer(nn.Module):
+  """tokens [B, L] -> float32 logits [B, L, V]. Set `decode=True` to run with a KV cache."""
+  cfg: ModelConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+    c = self.cfg
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    if segment_ids_BL is None:
+      segment_ids_BL = jnp.ones_like(tokens_BL)
+    embed_VD = param(self, "embed", (c.vocab_size, c.d_model), (axes.VOCAB, axes.EMBED), c.param_dtype, c.init_std)
+    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.compute_dtype)
+    x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
+    mask_BLS = None
+    if not self.decode:  # the cache builds its own mask
+      index_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+      mask_BLS = attention_mask(segment_ids_BL, segment_ids_BL, index_BL, index_BL)
+    x_BLD, _ = stacked_layers(c, self.decode)(x_BLD, positions_BL, mask_BLS)
+    x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
+    if c.tie_embeddings:
+      logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.compute_dtype),
+                              preferred_element_type=jnp.float32)
+    else:
+      unembed_DV = param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB), c.param_dtype,
+                         c.init_std)
+      logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, unembed_DV.astype(c.compute_dtype),
+                              preferred_element_type=jnp.float32)
+    return constrain(logits_BLV, (axes.BATCH, axes.SEQ, axes.VOCAB))
+
+
+def param_count(c: ModelConfig) -> int:
+  """Parameters by formula (embeddings included, once when tied)."""
+  attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+  mlp = 3 * c.d_model * c.d_ff
+  per_layer = attn + mlp + 2 * c.d_model
+  embed = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
+  return c.n_layers * per_layer + embed + c.d_model

@@ -1,0 +1,52 @@
+"""`build(cfg)`: the whole optimizer as one optax chain, from the `optim` config section."""
+
+import jax
+import optax
+
+from jaxtrain.optim.schedules import make_schedule
+
+# Muon orthogonalizes each layer matrix over (reduction, output) axes; axis 0 is the layer axis.
+_MUON_DIMS = {
+    "q": ((1,), (2, 3)), "k": ((1,), (2, 3)), "v": ((1,), (2, 3)), "o": ((1, 2), (3,)),
+    "gate": ((1,), (2,)), "up": ((1,), (2,)), "down": ((1,), (2,)),
+}
+
+
+def _leaf_name(path) -> str:
+  return str(getattr(path[-1], "key", path[-1]))
+
+
+def decay_mask(params):
+  """True for weights that get decoupled weight decay: matrices, not norm scales or biases."""
+  def is_decayed(path, _):
+    names = [str(getattr(p, "key", p)) for p in path]
+    return not any("norm" in n or n == "bias" for n in names)
+  return jax.tree_util.tree_map_with_path(is_decayed, params)
+
+
+def muon_dims(params):
+  """Muon's dimension numbers for layer matrices; None sends a leaf to Muon's AdamW."""
+  def dims(path, _):
+    in_layers = any(str(getattr(p, "key", p)) == "layers" for p in path)
+    spec = _MUON_DIMS.get(_leaf_name(path)) if in_layers else None
+    return None if spec is None else optax.contrib.MuonDimensionNumbers(*spec)
+  return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def build(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """clip -> (AdamW | Muon) with the schedule, wrapped so that non-finite updates are skipped."""
+  o = cfg.optim
+  schedule = make_schedule(o, cfg.train.steps)
+  if o.name == "adamw":
+    inner = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+  else:
+    inner = optax.contrib.muon(
+        schedule, beta=o.b1, weight_decay=o.weight_decay, weight_decay_mask=decay_mask,
+        adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.weight_decay,
+        muon_weight_dimension_numbers=muon_dims)
+  parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  tx = optax.chain(*parts, inner)
+  if o.skip_nonfinite:
+    # Skipped steps are counted in the state (`total_notfinite`) and reported as `skipped_steps`.
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=1_000_000)
+  return tx, schedule

@@ -1,0 +1,213 @@
+"""The composition root: config -> data -> model -> mesh -> optimizer -> jitted step -> loop.
+
+`train(cfg, workdir)` and `sample(workdir, prompt, ...)` are the library entry points; the CLI
+only parses flags and calls them.
+"""
+
+import functools
+import json
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from jaxtrain import checkpoint, config as config_lib, data, metrics as metrics_lib, optim, parallel
+from jaxtrain.model import ModelConfig, Transformer, generate
+from jaxtrain.train import state as state_lib
+from jaxtrain.train.step import eval_step, train_step
+
+
+class Batches:
+  """Global batch `index` of a source as a jax.Array sharded over the data axes.
+
+  Each process builds only the rows its devices hold (multi-host: its slice of the global batch)."""
+
+  def __init__(self, source, batch_size: int, seq_len: int, sharding):
+    self.source, self.sharding = source, sharding
+    self.shape = (batch_size, seq_len)
+    rows = [idx[0] for idx in sharding.addressable_devices_indices_map(self.shape).values()]
+    self.lo = min(r.start or 0 for r in rows)
+    self.hi = max(batch_size if r.stop is None else r.stop for r in rows)
+
+  def __call__(self, index: int) -> dict:
+    local = self.source.batch(index, self.lo, self.hi)
+
+    def put(x):
+      return jax.make_array_from_callback(
+          self.shape, self.sharding, lambda idx: x[(idx[0].start or 0) - self.lo:
+                                                   (self.shape[0] if idx[0].stop is None else idx[0].stop) - self.lo])
+    return {k: put(v) for k, v in local.items()}
+
+
+def peak_flops_total(cfg) -> tuple[float, str]:
+  """Peak FLOP/s of the whole job: per device on accelerators, per host on CPU (shared cores)."""
+  peak, source = metrics_lib.peak_flops(cfg.model.compute_dtype)
+  units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
+  return peak * units, source
+
+
+def flops_per_token(cfg) -> float:
+  m = cfg.model
+  return metrics_lib.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff,
+                                           m.vocab_size, cfg.train.seq_len)
+
+
+def build(cfg, devices=None):
+  """Mesh, model, optimizer and schedule for a validated config."""
+  mesh = parallel.make_mesh(cfg, devices)
+  model = Transformer(ModelConfig.from_config(cfg.model))
+  tx, schedule = optim.build(cfg)
+  return mesh, model, tx, schedule
+
+
+def compile_steps(cfg, mesh, model, tx, schedule, shardings):
+  """The train and eval steps, jitted once with explicit shardings; the state is donated."""
+  batch_sh = parallel.batch_sharding(mesh)
+  step = functools.partial(train_step, model=model, tx=tx, schedule=schedule,
+                           microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss)
+  train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
+                     donate_argnums=0)
+  eval_fn = jax.jit(functools.partial(eval_step, model=model), in_shardings=(shardings.params, batch_sh))
+  return train_fn, eval_fn
+
+
+def evaluate(eval_fn, params, batches, n: int) -> dict:
+  """Token-mean loss over the first n eval batches (a fixed held-out set) and its entropy floor."""
+  sums = [jax.device_get(eval_fn(params, batches(i))) for i in range(n)]
+  tokens = max(sum(float(s["tokens"]) for s in sums), 1.0)
+  out = {"eval_loss": sum(float(s["ce"]) for s in sums) / tokens}
+  if "entropy" in batches(0):
+    out["eval_entropy_floor"] = sum(float(s["entropy"]) for s in sums) / tokens
+  return out
+
+
+def write_config(cfg, workdir: str):
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(cfg.to_json(indent=2))
+
+
+def load_config(workdir: str):
+  """The config a workdir was trained with."""
+  import ml_collections
+  with open(os.path.join(workdir, "config.json")) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_step: bool = False) -> dict:
+  """Trains `cfg` in `workdir` (resuming from its newest checkpoint); returns the last logged metrics.
+
+  `devices` defaults to all; `sync_every_step` blocks on each step (many virtual CPU devices on few
+  cores have deadlocked XLA's collectives when steps were dispatched ahead)."""
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(cfg, len(devices))
+  t = cfg.train
+  mesh, model, tx, schedule = build(cfg, devices)
+  rules = parallel.RULES[cfg.mesh.rules]
+  write_config(cfg, workdir)
+
+  # ---- state: born sharded, or restored from the newest checkpoint ----
+  state, shardings = state_lib.create_state(model, tx, t.seq_len, t.seed, mesh, cfg.mesh.rules)
+  ckpt = checkpoint.manager(workdir)
+  if ckpt.latest_step() is not None:
+    state = checkpoint.restore(ckpt, state, shardings)
+  start = int(state.step)
+
+  # ---- data: batch i of the run is global batch i of the source; the iterator state is the step ----
+  batch_sh = parallel.batch_sharding(mesh)
+  train_batches = Batches(data.make_source(cfg, "train"), t.batch_size, t.seq_len, batch_sh)
+  eval_batches = Batches(data.make_source(cfg, "eval"), t.batch_size, t.seq_len, batch_sh)
+  floor = getattr(train_batches.source, "expected_entropy_floor", None)
+  constants = {"entropy_floor": floor()} if floor else {}
+
+  # ---- compile once, with the logical rules and mesh in context ----
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    train_fn, eval_fn = compile_steps(cfg, mesh, model, tx, schedule, shardings)
+    flops = flops_per_token(cfg)
+    peak, peak_source = peak_flops_total(cfg)
+    writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    bar = tqdm.tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
+                    dynamic_ncols=True)
+    last, pending = {}, None
+    tokens_per_step = t.batch_size * t.seq_len
+    window_start, window_steps = time.perf_counter(), 0
+
+    # ---- loop: dispatch step n, then read step n-1's metrics ----
+    for step in range(start, t.steps):
+      state, step_metrics = train_fn(state, train_batches(step))
+      if sync_every_step:
+        jax.block_until_ready(step_metrics)
+      if pending is not None:
+        row = _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step)
+        if row:
+          last, window_start, window_steps = row, time.perf_counter(), 0
+      window_steps += 1
+      is_last = step + 1 == t.steps
+      pending = (step + 1, step_metrics, is_last or (step + 1) % t.log_every == 0)
+      if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
+        result = evaluate(eval_fn, state.params, eval_batches, t.eval_batches)
+        writer.write(step + 1, {**result, **constants})
+        bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+        last.update(result)
+      if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and not is_last:
+        checkpoint.save(ckpt, step + 1, state)
+    if pending is not None:
+      last.update(_log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps,
+                            tokens_per_step))
+
+  # ---- the end: save, close sinks ----
+  if ckpt.latest_step() != int(state.step):
+    checkpoint.save(ckpt, int(state.step), state)
+  ckpt.wait_until_finished()
+  bar.close()
+  writer.close()
+  last.update({"peak_flops": peak, "peak_source": peak_source, **constants})
+  return last
+
+
+def _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step):
+  """Reads a finished step's metrics; logs them when due. Returns the logged row, or {}."""
+  step, step_metrics, due = pending
+  if not due:
+    return {}
+  values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+  step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
+  tokens_per_sec = tokens_per_step / step_time
+  row = {**values, "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / peak,
+         "step_time_s": step_time, **constants}
+  writer.write(step, row)
+  bar.update(step - bar.n)
+  bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{row['mfu']:.1%}")
+  return row
+
+
+def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int = 0,
+           devices=None) -> str:
+  """Text continuation of `prompt` by the model trained in `workdir` (newest checkpoint)."""
+  cfg = load_config(workdir)
+  devices = devices or jax.local_devices()[:1]
+  cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
+  mesh, model, tx, _ = build(cfg, devices)
+  tokenizer = data.make_tokenizer(cfg)
+  ckpt = checkpoint.manager(workdir)
+  if ckpt.latest_step() is None:
+    raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints; train first")
+  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
+  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
+  params = checkpoint.restore(ckpt, abstract, shardings).params
+  prompt_ids = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
+  if len(prompt_ids) + max_new_tokens > cfg.model.max_seq_len:
+    raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                     f"model.max_seq_len={cfg.model.max_seq_len}")
+  gen = jax.jit(generate, static_argnums=(0, 4, 5, 6))
+  tokens = gen(model, params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
+               temperature, top_k)
+  out = np.asarray(tokens[0])
+  if tokenizer.eos in out:  # stop at the end of the document
+    out = out[: list(out).index(tokenizer.eos) + 1]
+  return tokenizer.decode(out)

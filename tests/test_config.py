@@ -1,0 +1,75 @@
+"""Configs: each file builds and shards abstractly; bad configs end with one line and status 2."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import config as config_lib
+from jaxtrain.__main__ import main
+from jaxtrain.model import param_count
+from jaxtrain.train import loop, state as state_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+EXPECTED = {"gpt2_small": 124e6, "llama_1b": 1.24e9, "llama_8b": 8.03e9}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-3])
+def test_config_builds_and_shards_abstractly(path):
+  cfg = config_lib.load_config_file(path)
+  config_lib.validate(cfg, jax.device_count())
+  mesh, model, tx, _ = loop.build(cfg)
+  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
+  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
+  assert n == param_count(model.cfg)
+  name = os.path.basename(path)[:-3]
+  if name in EXPECTED:
+    assert abs(n - EXPECTED[name]) / EXPECTED[name] < 0.01, n
+  # every parameter leaf has a sharding, and large ones are split when the preset shards params
+  leaves = jax.tree.leaves(shardings.params)
+  assert len(leaves) == len(jax.tree.leaves(abstract.params))
+  if cfg.mesh.rules != "dp" and name != "tiny":
+    assert not shardings.params["layers"]["mlp"]["up"].is_fully_replicated
+
+
+BAD = {
+    "mesh does not match devices": ["--config.mesh.data=3"],
+    "batch does not divide": ["--config.train.batch_size=12"],
+    "heads not divisible by kv heads": ["--config.model.n_kv_heads=3"],
+    "heads not divisible by tensor": ["--config.mesh.tensor=8", "--config.model.n_heads=4",
+                                      "--config.model.n_kv_heads=4"],
+    "sequence longer than max": ["--config.train.seq_len=512"],
+    "unknown preset": ["--config.mesh.rules=zero3"],
+    "unknown key": ["--config.model.n_experts=8"],
+    "bad type": ["--config.train.steps=many"],
+    "unknown remat": ["--config.model.remat=some"],
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_config_exits_2_with_one_line(name, capsys, tmp_path):
+  code = main(["train", f"--config={ROOT}/configs/tiny.py", f"--workdir={tmp_path}", *BAD[name]])
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+  assert not os.listdir(tmp_path)  # refused before anything ran
+
+
+def test_cli_exit_status_in_a_real_process(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  p = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"--config={ROOT}/configs/tiny.py",
+                      f"--workdir={tmp_path}", "--config.mesh.rules=nope"], capture_output=True, text=True,
+                     env=env)
+  assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "mesh.rules" in p.stderr
+
+
+def test_overrides_are_typed():
+  cfg = config_lib.apply_overrides(config_lib.default_config(),
+                                   {"optim.lr": "1e-3", "train.steps": "7", "model.tie_embeddings": "false"})
+  assert cfg.optim.lr == 1e-3 and cfg.train.steps == 7 and cfg.model.tie_embeddings is False

@@ -1,0 +1,60 @@
+"""Sharded equals unsharded: loss and gradients of one batch across meshes and rule presets."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import data, parallel
+from jaxtrain.train import loop, state as state_lib
+from jaxtrain.train.step import accumulate_gradients
+from tests.conftest import tiny_config
+
+MESHES = [  # (mesh sizes, rules preset)
+    (dict(data=1), "dp"),
+    (dict(data=8), "dp"),
+    (dict(data=2, fsdp=4), "fsdp"),
+    (dict(data=1, fsdp=2, tensor=4), "fsdp_tp"),
+    (dict(data=2, fsdp=2, tensor=2), "fsdp_tp"),
+]
+
+
+def loss_and_grads(mesh_sizes, rules):
+  cfg = tiny_config(model=dict(n_kv_heads=4, vocab_size=64), mesh=dict(data=1, **mesh_sizes, rules=rules))
+  devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
+  cfg.mesh.update({k: v for k, v in mesh_sizes.items()})
+  mesh, model, tx, _ = loop.build(cfg, devices)
+  state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, rules)
+  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
+                         parallel.batch_sharding(mesh))
+  fn = functools.partial(accumulate_gradients, model=model, microbatches=1, z_loss=1e-4)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
+    grads, (loss, _, _) = jax.jit(lambda p, b: fn(p, batch=b))(state.params, batches(0))
+  spec = state.params["layers"]["mlp"]["up"].sharding.spec
+  return float(loss), jax.device_get(grads), spec
+
+
+def test_sharded_equals_unsharded():
+  ref_loss, ref_grads, _ = loss_and_grads(*MESHES[0])
+  for sizes, rules in MESHES[1:]:
+    loss, grads, spec = loss_and_grads(sizes, rules)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=str(sizes))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7, err_msg=str(sizes)),
+                 grads, ref_grads)
+    if rules == "fsdp_tp":  # the parameters really are split: [layers, embed->fsdp, mlp->tensor]
+      assert tuple(spec) == (None, "fsdp", "tensor"), spec
+
+
+def test_rules_map_logical_names():
+  fsdp_tp = dict(parallel.RULES["fsdp_tp"])
+  assert fsdp_tp["embed"] == "fsdp" and fsdp_tp["mlp"] == "tensor" and fsdp_tp["heads"] == "tensor"
+  assert "embed" not in dict(parallel.RULES["dp"])
+
+
+def test_mesh_fills_minus_one():
+  cfg = tiny_config(mesh=dict(data=-1, fsdp=2, tensor=2))
+  mesh = parallel.make_mesh(cfg)
+  assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
