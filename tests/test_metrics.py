@@ -16,7 +16,8 @@ from tests.conftest import tiny_config
 
 def test_flops_formula_matches_xla_cost_analysis():
   cfg = tiny_config(mesh=dict(data=1), model=dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768,
-                                                  vocab_size=512, max_seq_len=128),
+                                                  vocab_size=512, max_seq_len=128,
+                                                  scan_layers=False),  # XLA counts a loop body once
                     train=dict(batch_size=4, seq_len=128))
   mesh, model, tx, schedule = loop.build(cfg, jax.devices()[:1])
   state, _ = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, "dp")

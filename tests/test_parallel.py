@@ -22,9 +22,9 @@ MESHES = [  # (mesh sizes, rules preset)
 
 
 def loss_and_grads(mesh_sizes, rules):
-  cfg = tiny_config(model=dict(n_kv_heads=4, vocab_size=64), mesh=dict(data=1, **mesh_sizes, rules=rules))
+  cfg = tiny_config(model=dict(n_kv_heads=4, vocab_size=64), mesh=dict(rules=rules))
   devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
-  cfg.mesh.update({k: v for k, v in mesh_sizes.items()})
+  cfg.mesh.update({"data": 1, **mesh_sizes})
   mesh, model, tx, _ = loop.build(cfg, devices)
   state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, rules)
   batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,

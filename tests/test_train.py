@@ -10,6 +10,7 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.config import load_config_file
+from jaxtrain.train import loop, state as state_lib
 from tests.conftest import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,8 +18,7 @@ KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s
 
 
 def final_params(workdir):
-  cfg = jaxtrain.train.load_config(workdir)
-  from jaxtrain.train import loop, state as state_lib
+  cfg = loop.load_config(workdir)
   mesh, model, tx, _ = loop.build(cfg)
   abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
   shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
@@ -65,3 +65,25 @@ def test_tiny_reaches_entropy_floor(tmp_path):
   cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
   final = jaxtrain.train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)
   assert final["eval_loss"] < 1.05 * final["eval_entropy_floor"], final
+
+
+def test_bytes_corpus_trains_and_samples_text(tmp_path):
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(6):
+    (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 5)
+  cfg = load_config_file(os.path.join(ROOT, "configs", "bytes_tiny.py") + f":{corpus}")
+  cfg.train.update(steps=3, batch_size=8, seq_len=32, eval_every=3, eval_batches=1)
+  cfg.model.update(max_seq_len=64)
+  final = jaxtrain.train(cfg, str(tmp_path / "run"), devices=jax.devices()[:1], progress=False)
+  assert np.isfinite(final["eval_loss"]) and "entropy_floor" not in final
+  text = jaxtrain.sample(str(tmp_path / "run"), "the ", max_new_tokens=8, temperature=1.0, top_k=5)
+  assert isinstance(text, str) and len(text.encode()) <= 8
+
+
+def test_missing_corpus_is_one_line_exit_2(tmp_path, capsys):
+  from jaxtrain.__main__ import main
+  code = main(["train", f"--config={ROOT}/configs/bytes_tiny.py:{tmp_path}/nope", f"--workdir={tmp_path}/run"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1 and "nope" in err
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")

@@ -109,6 +109,13 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   t = cfg.train
   mesh, model, tx, schedule = build(cfg, devices)
   rules = parallel.RULES[cfg.mesh.rules]
+
+  # ---- data (opened before compiling): run step i reads global batch i, so the step is its state ----
+  batch_sh = parallel.batch_sharding(mesh)
+  train_batches = Batches(data.make_source(cfg, "train"), t.batch_size, t.seq_len, batch_sh)
+  eval_batches = Batches(data.make_source(cfg, "eval"), t.batch_size, t.seq_len, batch_sh) if t.eval_every else None
+  floor = getattr(train_batches.source, "expected_entropy_floor", None)
+  constants = {"entropy_floor": floor()} if floor else {}
   write_config(cfg, workdir)
 
   # ---- state: born sharded, or restored from the newest checkpoint ----
@@ -117,13 +124,6 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   if ckpt.latest_step() is not None:
     state = checkpoint.restore(ckpt, state, shardings)
   start = int(state.step)
-
-  # ---- data: batch i of the run is global batch i of the source; the iterator state is the step ----
-  batch_sh = parallel.batch_sharding(mesh)
-  train_batches = Batches(data.make_source(cfg, "train"), t.batch_size, t.seq_len, batch_sh)
-  eval_batches = Batches(data.make_source(cfg, "eval"), t.batch_size, t.seq_len, batch_sh)
-  floor = getattr(train_batches.source, "expected_entropy_floor", None)
-  constants = {"entropy_floor": floor()} if floor else {}
 
   # ---- compile once, with the logical rules and mesh in context ----
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

@@ -36,10 +36,24 @@ def state_shardings(model, tx, seq_len, mesh, rules_name) -> TrainState:
   logical = nn.get_partition_spec(abstract.params)
   params = parallel.logical_shardings(logical, mesh, rules_name)
   replicated = NamedSharding(mesh, P())
-  opt_state = optax.tree_map_params(
-      tx, lambda _, sharding: sharding, abstract.opt_state, params,
-      transform_non_params=lambda _: replicated)
+  by_path = {_dict_keys(path): (leaf.shape, sharding) for (path, leaf), sharding in
+             zip(jax.tree_util.tree_leaves_with_path(nn.unbox(abstract.params)), jax.tree.leaves(params))}
+
+  def follow_param(path, leaf):
+    """A leaf whose trailing dict keys name a parameter of the same shape is that param's moment."""
+    keys = _dict_keys(path)
+    for start in range(len(keys)):
+      shape, sharding = by_path.get(keys[start:], (None, None))
+      if shape == leaf.shape:
+        return sharding
+    return replicated
+
+  opt_state = jax.tree_util.tree_map_with_path(follow_param, abstract.opt_state)
   return TrainState(replicated, params, opt_state, replicated)
+
+
+def _dict_keys(path) -> tuple:
+  return tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
 def create_state(model, tx, seq_len, seed, mesh, rules_name) -> tuple[TrainState, TrainState]:

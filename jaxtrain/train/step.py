@@ -59,9 +59,9 @@ def train_step(state: TrainState, batch, *, model, tx, schedule, microbatches: i
       "loss": loss,
       "z_loss": z,
       "tokens": tokens,
-      "grad_norm": optax.global_norm(grads),
-      "param_norm": optax.global_norm(params),
-      "update_norm": optax.global_norm(updates),
+      "grad_norm": optax.tree.norm(grads),
+      "param_norm": optax.tree.norm(params),
+      "update_norm": optax.tree.norm(updates),
       "lr": schedule(state.step),
       "skipped_steps": getattr(opt_state, "total_notfinite", jnp.zeros((), jnp.int32)),
   }

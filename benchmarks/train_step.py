@@ -1,0 +1,97 @@
+"""Train-step throughput and MFU against the matmul peak measured in the same run.
+
+  python benchmarks/train_step.py [--steps 10] [--configs tiny,small_20m] [--record]
+
+For each config: the jitted train step (the loop's own), `steps` timed steps after 2 warm-up steps,
+median step time -> tokens/s and MFU = model FLOPs/s / measured peak. Peak = median of 2048^3 f32
+matmuls, measured before and after the configs (the machine is shared: both are reported).
+`--record` appends the table to benchmarks/RESULTS.md.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxtrain import config as config_lib, data, metrics, parallel  # noqa: E402
+from jaxtrain.train import loop, state as state_lib  # noqa: E402
+
+
+def time_config(name: str, steps: int) -> dict:
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  cfg.mesh.update(data=1)
+  devices = jax.devices()[:1]
+  mesh, model, tx, schedule = loop.build(cfg, devices)
+  state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
+  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
+                         parallel.batch_sharding(mesh))
+  import flax.linen as nn
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
+    times = []
+    for i in range(steps + 2):
+      batch = batches(i)
+      t = time.perf_counter()
+      state, m = train_fn(state, batch)
+      jax.block_until_ready(m)
+      times.append(time.perf_counter() - t)
+  step_time = float(np.median(times[2:]))
+  tokens = cfg.train.batch_size * cfg.train.seq_len
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  return {"config": name, "params": n_params, "tokens_per_step": tokens, "step_time_s": step_time,
+          "tokens_per_sec": tokens / step_time, "flops_per_step": loop.flops_per_token(cfg) * tokens}
+
+
+def cpu_name() -> str:
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--configs", default="tiny,small_20m")
+  parser.add_argument("--record", action="store_true")
+  args = parser.parse_args()
+  peak_before = metrics.measure_matmul_peak()
+  results = [time_config(name, args.steps) for name in args.configs.split(",")]
+  peak_after = metrics.measure_matmul_peak()
+  peak = max(peak_before, peak_after)
+  lines = [
+      f"### Train step vs measured matmul peak ({datetime.date.today()})",
+      "",
+      f"- hardware: {cpu_name()}, {os.cpu_count()} cores, backend {jax.default_backend()}",
+      f"- jax {jax.__version__}, python {platform.python_version()}",
+      f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}`",
+      f"- f32 matmul peak (2048^3, median of 7): {peak_before / 1e9:.1f} GFLOP/s before, "
+      f"{peak_after / 1e9:.1f} after; MFU uses the higher",
+      "",
+      "| config | params | tokens/step | step (median) | tokens/s | model GFLOP/s | MFU |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for r in results:
+    achieved = r["flops_per_step"] / r["step_time_s"]
+    lines.append(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_time_s'] * 1e3:.0f} ms "
+                 f"| {r['tokens_per_sec']:,.0f} | {achieved / 1e9:.1f} | {achieved / peak:.1%} |")
+  text = "\n".join(lines) + "\n"
+  print(text)
+  if args.record:
+    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
+      f.write("\n" + text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,90 @@
+"""One process of a (possibly multi-process) CPU training run, for tests/test_multiprocess.py.
+
+  python tests/multiprocess_worker.py --process_id=I --num_processes=N --port=P --workdir=DIR \
+      --devices_per_process=D
+
+Every process joins `jax.distributed` (gloo CPU collectives) when N > 1, trains the tiny config on a
+global mesh of N * D devices, and writes DIR/process_I.json: the rows of each global batch it fed
+(`Batches.lo/hi`), its device counts and the metrics `train` returned. Process 0 also writes
+DIR/metrics.jsonl (jaxtrain does that).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tiny run that the 1-process reference and every multi-process run share: same global mesh
+# (data=2 x fsdp=4 = 8 devices) and same global batch.
+TRAIN = dict(steps=8, batch_size=16, seq_len=16, log_every=1, eval_every=4, eval_batches=1)
+MESH = dict(data=2, fsdp=4)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--process_id", type=int, required=True)
+  p.add_argument("--num_processes", type=int, required=True)
+  p.add_argument("--port", type=int, required=True)
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--devices_per_process", type=int, required=True)
+  return p.parse_args(argv)
+
+
+def main(args):
+  xla_flags = f"--xla_force_host_platform_device_count={args.devices_per_process}"
+  os.environ["XLA_FLAGS"] = xla_flags
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+  import jax  # after XLA_FLAGS: the CPU client reads them when it is created
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if args.num_processes > 1:
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id)
+
+  # tests.conftest appends its own device count (8) to XLA_FLAGS at import; the backend is not created
+  # yet, so put ours back before anything touches a device.
+  from tests.conftest import tiny_config
+  os.environ["XLA_FLAGS"] = xla_flags
+
+  import jaxtrain
+  from jaxtrain import data, parallel
+  from jaxtrain.train.loop import Batches
+
+  assert jax.process_count() == args.num_processes, jax.process_count()
+  assert jax.process_index() == args.process_id, jax.process_index()
+  assert jax.local_device_count() == args.devices_per_process, jax.local_devices()
+  assert jax.device_count() == args.num_processes * args.devices_per_process, jax.devices()
+
+  cfg = tiny_config(train=TRAIN, mesh=MESH)
+  t = cfg.train
+  # The rows of the global batch this process builds, as train() builds them (same mesh, same sharding).
+  mesh = parallel.make_mesh(cfg)
+  rows = {split: Batches(data.make_source(cfg, split), t.batch_size, t.seq_len, parallel.batch_sharding(mesh))
+          for split in ("train", "eval")}
+
+  final = jaxtrain.train(cfg, args.workdir, progress=False, sync_every_step=True)
+
+  report = {
+      "process_index": jax.process_index(),
+      "process_count": jax.process_count(),
+      "local_devices": jax.local_device_count(),
+      "global_devices": jax.device_count(),
+      "rows": {split: [b.lo, b.hi] for split, b in rows.items()},
+      "batch_size": t.batch_size,
+      "final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))},
+  }
+  os.makedirs(args.workdir, exist_ok=True)
+  with open(os.path.join(args.workdir, f"process_{args.process_id}.json"), "w") as f:
+    json.dump(report, f, indent=2)
+
+  if args.num_processes > 1:
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(parse_args())

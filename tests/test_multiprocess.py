@@ -1,0 +1,137 @@
+"""Multi-process == one process: two `jax.distributed` processes on this machine (gloo CPU
+collectives, 4 devices each) train the tiny config to the losses of one 8-device process with the
+same global mesh and batch, each process feeding only its own rows of every global batch.
+
+The runs are subprocesses of tests/multiprocess_worker.py: a process's device count and its
+distributed client are fixed at jax start-up, so they cannot live in the pytest process.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxtrain import metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+TIMEOUT_S = 300  # per run; 2 shared cores compile three jax programs side by side
+RTOL = 1e-5
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT
+  return env
+
+
+class Run:
+  """`num_processes` workers training in one workdir; each one's stdout+stderr goes to a log file."""
+
+  def __init__(self, workdir, num_processes: int, devices_per_process: int):
+    self.workdir, self.procs, self.logs = str(workdir), [], []
+    os.makedirs(self.workdir, exist_ok=True)
+    port = free_port()
+    for i in range(num_processes):
+      log = os.path.join(self.workdir, f"worker_{i}.log")
+      cmd = [sys.executable, WORKER, f"--process_id={i}", f"--num_processes={num_processes}", f"--port={port}",
+             f"--workdir={self.workdir}", f"--devices_per_process={devices_per_process}"]
+      with open(log, "w") as f:
+        self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=worker_env(), cwd=ROOT))
+      self.logs.append(log)
+
+  def failed(self) -> bool:
+    return any(p.poll() not in (None, 0) for p in self.procs)
+
+  def done(self) -> bool:
+    return all(p.poll() == 0 for p in self.procs)
+
+  def kill(self):
+    for p in self.procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+  def report(self, why: str) -> str:
+    lines = [f"{self.workdir}: {why}"]
+    for p, log in zip(self.procs, self.logs):
+      with open(log, errors="replace") as f:
+        text = "".join(line for line in f if "[SPMD]" not in line)  # XLA's remat warnings drown the error
+      lines.append(f"--- {os.path.basename(log)} (exit {p.poll()}) ---\n{text[-4000:]}")
+    return "\n".join(lines)
+
+
+def wait_all(runs, timeout_s: float):
+  """Waits for every run; on a failure or the timeout kills them all and fails with the logs' tails."""
+  deadline = time.monotonic() + timeout_s
+  try:
+    while not all(r.done() for r in runs):
+      bad = [r for r in runs if r.failed()]
+      if bad or time.monotonic() > deadline:
+        why = "a worker failed" if bad else f"timed out after {timeout_s:.0f} s"
+        for r in runs:
+          r.kill()
+        pytest.fail("\n".join(r.report(why) for r in (bad or runs)), pytrace=False)
+      time.sleep(0.5)
+  finally:
+    for r in runs:
+      r.kill()
+
+
+def by_step(rows, key):
+  return {r["step"]: r[key] for r in rows if key in r}
+
+
+def assert_close(got: dict, want: dict, what: str):
+  assert sorted(got) == sorted(want), f"{what}: steps {sorted(got)} != {sorted(want)}"
+  for step in want:
+    rel = abs(got[step] - want[step]) / max(abs(want[step]), 1e-12)
+    assert rel < RTOL, f"{what} at step {step}: {got[step]} vs one process {want[step]} (rel diff {rel:.2e})"
+
+
+def test_two_processes_train_like_one(tmp_path):
+  # Both runs start together: the pair mostly waits on each other's collectives, so the reference
+  # fills the idle core.
+  one = Run(tmp_path / "one_process", num_processes=1, devices_per_process=8)
+  two = Run(tmp_path / "two_processes", num_processes=2, devices_per_process=4)
+  wait_all([one, two], TIMEOUT_S)
+
+  reports = {}
+  for run in (one, two):
+    for i in range(len(run.procs)):
+      with open(os.path.join(run.workdir, f"process_{i}.json")) as f:
+        reports[run, i] = json.load(f)
+  ref, p0, p1 = reports[one, 0], reports[two, 0], reports[two, 1]
+  assert (ref["process_count"], ref["global_devices"]) == (1, 8)
+  assert [(p["process_index"], p["process_count"], p["local_devices"], p["global_devices"]) for p in (p0, p1)] \
+      == [(0, 2, 4, 8), (1, 2, 4, 8)]
+
+  # Each process built only its own rows of every global batch; together exactly the whole batch.
+  batch_size = ref["batch_size"]
+  for split in ("train", "eval"):
+    assert ref["rows"][split] == [0, batch_size]
+    (lo0, hi0), (lo1, hi1) = sorted([p0["rows"][split], p1["rows"][split]])
+    assert lo0 == 0 and hi0 == lo1 and hi1 == batch_size and hi0 - lo0 == hi1 - lo1, (split, p0["rows"], p1["rows"])
+
+  # Same losses per step; only process 0 wrote metrics.jsonl (one row per step, no duplicates).
+  want, got = metrics.read_metrics(one.workdir), metrics.read_metrics(two.workdir)
+  steps = [r["step"] for r in got if "loss" in r]
+  assert steps == list(range(1, len(steps) + 1)) and len(steps) == 8, steps
+  assert sorted(by_step(got, "eval_loss")) == [4, 8]
+  for key in ("loss", "eval_loss"):
+    assert_close(by_step(got, key), by_step(want, key), key)
+  # Process 1 computed the same (replicated) final metrics as process 0.
+  for key in ("loss", "eval_loss"):
+    assert_close({0: p1["final"][key]}, {0: p0["final"][key]}, f"process 1 final {key}")
