@@ -101,9 +101,9 @@ def assert_close(got: dict, want: dict, what: str):
     assert rel < RTOL, f"{what} at step {step}: {got[step]} vs one process {want[step]} (rel diff {rel:.2e})"
 
 
+@pytest.mark.slow  # 80-115 s on 2 shared cores: three jax processes compile the same step
 def test_two_processes_train_like_one(tmp_path):
-  # Both runs start together: the pair mostly waits on each other's collectives, so the reference
-  # fills the idle core.
+  # The reference and the pair start together: they are independent, and the wall time is their max.
   one = Run(tmp_path / "one_process", num_processes=1, devices_per_process=8)
   two = Run(tmp_path / "two_processes", num_processes=2, devices_per_process=4)
   wait_all([one, two], TIMEOUT_S)

@@ -74,6 +74,7 @@ def test_bytes_corpus_trains_and_samples_text(tmp_path):
     (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 5)
   cfg = load_config_file(os.path.join(ROOT, "configs", "bytes_tiny.py") + f":{corpus}")
   cfg.train.update(steps=3, batch_size=8, seq_len=32, eval_every=3, eval_batches=1)
+  cfg.optim.warmup_steps = 1
   cfg.model.update(max_seq_len=64)
   final = jaxtrain.train(cfg, str(tmp_path / "run"), devices=jax.devices()[:1], progress=False)
   assert np.isfinite(final["eval_loss"]) and "entropy_floor" not in final

@@ -152,7 +152,8 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
         result = evaluate(eval_fn, state.params, eval_batches, t.eval_batches)
         writer.write(step + 1, {**result, **constants})
-        bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+        if not bar.disable:
+          bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
         last.update(result)
       if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and not is_last:
         checkpoint.save(ckpt, step + 1, state)
