@@ -32,6 +32,9 @@ def parse(argv):
   train.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   train.add_argument("--workdir", required=True)
   train.add_argument("--no_sample", action="store_true", help="skip the sample printed after training")
+  train.add_argument("--distributed", action="store_true",
+                     help="multi-host: call jax.distributed.initialize() (cluster auto-detection or "
+                          "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
   sample = sub.add_parser("sample", help="continue a prompt with a trained model")
   sample.add_argument("--workdir", required=True)
   sample.add_argument("--prompt", default=None, help="defaults to the config's sample.prompt")
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     if args.command == "train":
       cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
       import jax  # after flag parsing, so that --help and bad flags stay fast
+      if args.distributed:
+        jax.distributed.initialize()
       config_lib.validate(cfg, jax.device_count())
     elif overrides:
       raise config_lib.ConfigError("--config.* overrides apply to train only")
@@ -59,11 +64,11 @@ def main(argv=None) -> int:
   if args.command == "train":
     try:
       final = jaxtrain.train(cfg, args.workdir)
-    except (FileNotFoundError, ValueError) as e:  # data paths and contents, checked before compiling
+    except config_lib.ConfigError as e:  # data paths and contents, checked before compiling
       print(f"error: {e}", file=sys.stderr)
       return 2
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(final.items())))
-    if not args.no_sample:
+    if not args.no_sample and jax.process_index() == 0:
       s = cfg.sample
       text = jaxtrain.sample(args.workdir, s.prompt, s.max_new_tokens, s.temperature, s.top_k)
       print(f"sample: {s.prompt!r} -> {text!r}")
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
                            s.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
                            s.temperature if args.temperature is None else args.temperature,
                            s.top_k if args.top_k is None else args.top_k, seed=args.seed)
-  except (FileNotFoundError, ValueError) as e:
+  except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(text)

@@ -88,3 +88,11 @@ def test_missing_corpus_is_one_line_exit_2(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert code == 2 and len(err.splitlines()) == 1 and "nope" in err
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_sample_bad_input_is_one_line_exit_2(tmp_path, capsys):
+  from jaxtrain.__main__ import main
+  assert main(["sample", f"--workdir={tmp_path}/none", "--prompt=< 1 |"]) == 2
+  assert main(["sample", f"--workdir={tmp_path}", "--bogus=1"]) == 2
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert len(errors) == 2 and all(e.startswith("error: ") for e in errors), errors

@@ -95,7 +95,10 @@ def write_config(cfg, workdir: str):
 def load_config(workdir: str):
   """The config a workdir was trained with."""
   import ml_collections
-  with open(os.path.join(workdir, "config.json")) as f:
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"{path} does not exist; is --workdir a training run?")
+  with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))
 
 
@@ -112,8 +115,11 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
 
   # ---- data (opened before compiling): run step i reads global batch i, so the step is its state ----
   batch_sh = parallel.batch_sharding(mesh)
-  train_batches = Batches(data.make_source(cfg, "train"), t.batch_size, t.seq_len, batch_sh)
-  eval_batches = Batches(data.make_source(cfg, "eval"), t.batch_size, t.seq_len, batch_sh) if t.eval_every else None
+  try:
+    train_batches = Batches(data.make_source(cfg, "train"), t.batch_size, t.seq_len, batch_sh)
+    eval_batches = Batches(data.make_source(cfg, "eval"), t.batch_size, t.seq_len, batch_sh) if t.eval_every else None
+  except (FileNotFoundError, ValueError) as e:  # a missing corpus, no usable documents
+    raise config_lib.ConfigError(str(e)) from e
   floor = getattr(train_batches.source, "expected_entropy_floor", None)
   constants = {"entropy_floor": floor()} if floor else {}
   write_config(cfg, workdir)
@@ -197,14 +203,19 @@ def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, t
   tokenizer = data.make_tokenizer(cfg)
   ckpt = checkpoint.manager(workdir)
   if ckpt.latest_step() is None:
-    raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints; train first")
+    raise config_lib.ConfigError(f"no checkpoint in {workdir}/checkpoints; train first")
   shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
   abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
   params = checkpoint.restore(ckpt, abstract, shardings).params
-  prompt_ids = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
+  try:
+    prompt_ids = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
+  if max_new_tokens < 1 or temperature < 0 or top_k < 0:
+    raise config_lib.ConfigError("sample: max_new_tokens must be >= 1, temperature and top_k >= 0")
   if len(prompt_ids) + max_new_tokens > cfg.model.max_seq_len:
-    raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                     f"model.max_seq_len={cfg.model.max_seq_len}")
+    raise config_lib.ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                                 f"exceeds model.max_seq_len={cfg.model.max_seq_len}")
   gen = jax.jit(generate, static_argnums=(0, 4, 5, 6))
   tokens = gen(model, params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
                temperature, top_k)
