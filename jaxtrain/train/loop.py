@@ -154,13 +154,12 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
           last, window_start, window_steps = row, time.perf_counter(), 0
       window_steps += 1
       is_last = step + 1 == t.steps
-      pending = (step + 1, step_metrics, is_last or (step + 1) % t.log_every == 0)
+      pending = (step + 1, step_metrics, is_last or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
         result = evaluate(eval_fn, state.params, eval_batches, t.eval_batches)
-        writer.write(step + 1, {**result, **constants})
+        pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if not bar.disable:
           bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
-        last.update(result)
       if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and not is_last:
         checkpoint.save(ckpt, step + 1, state)
     if pending is not None:
@@ -178,11 +177,11 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
 
 
 def _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step):
-  """Reads a finished step's metrics; logs them when due. Returns the logged row, or {}."""
-  step, step_metrics, due = pending
+  """Reads a finished step's metrics (and its eval results); logs them when due. Returns the row or {}."""
+  step, step_metrics, due, extra = pending
   if not due:
     return {}
-  values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+  values = {**{k: float(v) for k, v in jax.device_get(step_metrics).items()}, **extra}
   step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
   tokens_per_sec = tokens_per_step / step_time
   row = {**values, "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / peak,
