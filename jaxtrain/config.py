@@ -10,7 +10,10 @@ PRESETS = ("dp", "fsdp", "fsdp_tp")
 REMAT = ("none", "dots", "full")
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
-DATA_KINDS = ("synthetic", "bytes")
+DATA_KINDS = ("synthetic", "bytes", "text")
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "arrayrecord", "hf")
+PACKINGS = ("first_fit", "best_fit")
+BAD_UTF8 = ("repair", "skip")
 DTYPES = ("float32", "bfloat16")
 MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
 
@@ -46,7 +49,19 @@ def default_config() -> ml_collections.ConfigDict:
   d.symbols = 200  # synthetic: alphabet of the random half
   d.stop_prob = 1 / 16  # synthetic: chance that the random half ends after each symbol
   d.max_symbols = 48  # synthetic: the random half never exceeds this
-  d.eval_fraction = 0.05  # bytes: share of documents held out
+  d.eval_fraction = 0.05  # bytes, text: share of documents held out
+  # text: a prepared corpus through the grain pipeline (jaxtrain/data/pipeline.py)
+  d.format = "auto"  # one of DATA_FORMATS; auto picks by file extension
+  d.text_field = "text"  # jsonl, parquet, hf: the field or column holding the text
+  d.tokenizer = "byte"  # "byte", "bpe" (trained on the corpus by prepare), or a tokenizer.json / .model path
+  d.bpe_vocab_size = 1024  # bpe: vocabulary size to train (model.vocab_size must be at least this)
+  d.add_bos = True
+  d.add_eos = True
+  d.cache_dir = ""  # "" = WORKDIR/data_cache
+  d.packing = "first_fit"  # one of PACKINGS
+  d.bad_utf8 = "repair"  # one of BAD_UTF8: replace invalid bytes with U+FFFD, or skip the document
+  d.prepare_workers = 0  # 0 = one per core
+  d.prefetch = 2  # batches prepared ahead by a background thread
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 600
@@ -129,6 +144,9 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("optim.name", o.name, OPTIMIZERS)
   _check_choice("optim.schedule", o.schedule, SCHEDULES)
   _check_choice("data.kind", d.kind, DATA_KINDS)
+  _check_choice("data.format", d.format, DATA_FORMATS)
+  _check_choice("data.packing", d.packing, PACKINGS)
+  _check_choice("data.bad_utf8", d.bad_utf8, BAD_UTF8)
   shape = mesh_shape(cfg, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len"):
@@ -160,8 +178,12 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(f"data.max_symbols must be in [1, data.symbols], got {d.max_symbols}")
   if d.kind == "bytes" and m.vocab_size < 258:
     raise ConfigError(f"data.kind='bytes' needs model.vocab_size >= 258, got {m.vocab_size}")
-  if d.kind == "bytes" and not d.path:
-    raise ConfigError("data.path is empty; data.kind='bytes' needs a file, directory or glob")
+  if d.kind in ("bytes", "text") and not d.path:
+    raise ConfigError(f"data.path is empty; data.kind={d.kind!r} needs a file, directory or glob")
+  if d.kind == "text" and d.tokenizer == "byte" and m.vocab_size < 258:
+    raise ConfigError(f"data.tokenizer='byte' needs model.vocab_size >= 258, got {m.vocab_size}")
+  if d.kind == "text" and d.tokenizer == "bpe" and m.vocab_size < d.bpe_vocab_size:
+    raise ConfigError(f"model.vocab_size={m.vocab_size} is below data.bpe_vocab_size={d.bpe_vocab_size}")
   if o.lr <= 0:
     raise ConfigError(f"optim.lr must be positive, got {o.lr}")
   if o.warmup_steps >= t.steps and t.steps > 1:
