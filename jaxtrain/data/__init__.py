@@ -31,6 +31,32 @@ def make_source(cfg, split: str):
   return SOURCES[cfg.data.kind](cfg, split)
 
 
+class IndexedIterator:
+  """Rows lo..hi of consecutive global batches of a random-access source; the state is the index."""
+
+  def __init__(self, source, lo: int, hi: int, index: int = 0):
+    self.source, self.lo, self.hi, self.index = source, lo, hi, index
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    batch = self.source.batch(self.index, self.lo, self.hi)
+    self.index += 1
+    return batch
+
+  def get_state(self) -> dict:
+    return {"index": self.index}
+
+  def set_state(self, state: dict) -> None:
+    self.index = int(state["index"])
+
+
+def make_iterator(cfg, split: str, lo: int, hi: int) -> IndexedIterator:
+  """This process's rows lo..hi of each global batch of `split`, with get_state/set_state."""
+  return IndexedIterator(make_source(cfg, split), lo, hi)
+
+
 def make_tokenizer(cfg):
   """The tokenizer that turns prompts into ids and samples back into text for cfg.data.kind."""
   tokenizers = {"synthetic": lambda: SymbolTokenizer(cfg.data.symbols), "bytes": ByteTokenizer}
@@ -38,5 +64,5 @@ def make_tokenizer(cfg):
 
 
 __all__ = ["BOS", "BYTE_BOS", "BYTE_EOS", "BYTE_VOCAB", "ByteCorpus", "ByteTokenizer", "EOS",
-           "FIRST_SYMBOL", "PAD", "SEP", "SymbolTokenizer", "SyntheticLanguage", "entropy_floor", "make_source",
+           "FIRST_SYMBOL", "PAD", "SEP", "SymbolTokenizer", "SyntheticLanguage", "entropy_floor", "IndexedIterator", "make_iterator", "make_source",
            "make_tokenizer"]

@@ -21,26 +21,34 @@ from jaxtrain.train import state as state_lib
 from jaxtrain.train.step import eval_step, train_step
 
 
-class Batches:
-  """Global batch `index` of a source as a jax.Array sharded over the data axes.
+class Feed:
+  """Places this process's rows of each global batch as jax.Arrays sharded over the data axes.
 
-  Each process builds only the rows its devices hold (multi-host: its slice of the global batch)."""
+  `lo:hi` are the global rows this process's devices hold; multi-host, each process builds only those."""
+
+  def __init__(self, batch_size: int, seq_len: int, sharding):
+    self.shape, self.sharding = (batch_size, seq_len), sharding
+    self._rows = {d: idx[0] for d, idx in sharding.addressable_devices_indices_map(self.shape).items()}
+    self.lo = min(r.start or 0 for r in self._rows.values())
+    self.hi = max(batch_size if r.stop is None else r.stop for r in self._rows.values())
+
+  def put(self, local: dict) -> dict:
+    def place(x):
+      shards = [jax.device_put(x[(r.start or 0) - self.lo:(self.shape[0] if r.stop is None else r.stop) - self.lo], d)
+                for d, r in self._rows.items()]
+      return jax.make_array_from_single_device_arrays(self.shape, self.sharding, shards)
+    return {k: place(v) for k, v in local.items()}
+
+
+class Batches(Feed):
+  """Random access to global batch `index` of a source (synthetic, bytes): `batches(index)`."""
 
   def __init__(self, source, batch_size: int, seq_len: int, sharding):
-    self.source, self.sharding = source, sharding
-    self.shape = (batch_size, seq_len)
-    rows = [idx[0] for idx in sharding.addressable_devices_indices_map(self.shape).values()]
-    self.lo = min(r.start or 0 for r in rows)
-    self.hi = max(batch_size if r.stop is None else r.stop for r in rows)
+    super().__init__(batch_size, seq_len, sharding)
+    self.source = source
 
   def __call__(self, index: int) -> dict:
-    local = self.source.batch(index, self.lo, self.hi)
-
-    def put(x):
-      return jax.make_array_from_callback(
-          self.shape, self.sharding, lambda idx: x[(idx[0].start or 0) - self.lo:
-                                                   (self.shape[0] if idx[0].stop is None else idx[0].stop) - self.lo])
-    return {k: put(v) for k, v in local.items()}
+    return self.put(self.source.batch(index, self.lo, self.hi))
 
 
 def peak_flops_total(cfg) -> tuple[float, str]:
@@ -75,14 +83,23 @@ def compile_steps(cfg, mesh, model, tx, schedule, shardings):
   return train_fn, eval_fn
 
 
-def evaluate(eval_fn, params, batches, n: int) -> dict:
-  """Token-mean loss over the first n eval batches (a fixed held-out set) and its entropy floor."""
-  sums = [jax.device_get(eval_fn(params, batches(i))) for i in range(n)]
+def evaluate(eval_fn, params, feed: Feed, batches, n: int) -> dict:
+  """Token-mean loss over the first n batches of a fresh eval iterator (a fixed held-out set)."""
+  sums, has_entropy = [], False
+  for _, local in zip(range(n), batches):
+    has_entropy = "entropy" in local
+    sums.append(jax.device_get(eval_fn(params, feed.put(local))))
   tokens = max(sum(float(s["tokens"]) for s in sums), 1.0)
   out = {"eval_loss": sum(float(s["ce"]) for s in sums) / tokens}
-  if "entropy" in batches(0):
+  if has_entropy:  # synthetic data: the exact entropy of these very tokens
     out["eval_entropy_floor"] = sum(float(s["entropy"]) for s in sums) / tokens
   return out
+
+
+def save(ckpt, workdir: str, step: int, state, data_iter) -> None:
+  """Data iterator state first (small, synchronous), then the train state (asynchronous)."""
+  checkpoint.save_data_state(workdir, step, jax.process_index(), data_iter.get_state())
+  checkpoint.save(ckpt, step, state)
 
 
 def write_config(cfg, workdir: str):
@@ -114,13 +131,15 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   rules = parallel.RULES[cfg.mesh.rules]
 
   # ---- data (opened before compiling): run step i reads global batch i, so the step is its state ----
-  batch_sh = parallel.batch_sharding(mesh)
+  feed = Feed(t.batch_size, t.seq_len, parallel.batch_sharding(mesh))
   try:
-    train_batches = Batches(data.make_source(cfg, "train"), t.batch_size, t.seq_len, batch_sh)
-    eval_batches = Batches(data.make_source(cfg, "eval"), t.batch_size, t.seq_len, batch_sh) if t.eval_every else None
+    train_iter = data.make_iterator(cfg, "train", feed.lo, feed.hi)
+    eval_iter = functools.partial(data.make_iterator, cfg, "eval", feed.lo, feed.hi)
+    if t.eval_every:
+      eval_iter()  # fails now, not at the first evaluation
   except (FileNotFoundError, ValueError) as e:  # a missing corpus, no usable documents
     raise config_lib.ConfigError(str(e)) from e
-  floor = getattr(train_batches.source, "expected_entropy_floor", None)
+  floor = getattr(getattr(train_iter, "source", None), "expected_entropy_floor", None)
   constants = {"entropy_floor": floor()} if floor else {}
   write_config(cfg, workdir)
 
@@ -129,6 +148,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   ckpt = checkpoint.manager(workdir)
   if ckpt.latest_step() is not None:
     state = checkpoint.restore(ckpt, state, shardings)
+    train_iter.set_state(checkpoint.load_data_state(workdir, int(state.step), jax.process_index()))
   start = int(state.step)
 
   # ---- compile once, with the logical rules and mesh in context ----
@@ -145,7 +165,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
 
     # ---- loop: dispatch step n, then read step n-1's metrics ----
     for step in range(start, t.steps):
-      state, step_metrics = train_fn(state, train_batches(step))
+      state, step_metrics = train_fn(state, feed.put(next(train_iter)))
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:
@@ -156,20 +176,22 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
       is_last = step + 1 == t.steps
       pending = (step + 1, step_metrics, is_last or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
-        result = evaluate(eval_fn, state.params, eval_batches, t.eval_batches)
+        result = evaluate(eval_fn, state.params, feed, eval_iter(), t.eval_batches)
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if not bar.disable:
           bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
       if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and not is_last:
-        checkpoint.save(ckpt, step + 1, state)
+        save(ckpt, workdir, step + 1, state, train_iter)
     if pending is not None:
       last.update(_log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps,
                             tokens_per_step))
 
   # ---- the end: save, close sinks ----
   if ckpt.latest_step() != int(state.step):
-    checkpoint.save(ckpt, int(state.step), state)
+    save(ckpt, workdir, int(state.step), state, train_iter)
   ckpt.wait_until_finished()
+  if jax.process_index() == 0:
+    checkpoint.prune_data_states(workdir, ckpt.all_steps())
   bar.close()
   writer.close()
   last.update({"peak_flops": peak, "peak_source": peak_source, **constants})
