@@ -35,6 +35,9 @@ def parse(argv):
   train.add_argument("--distributed", action="store_true",
                      help="multi-host: call jax.distributed.initialize() (cluster auto-detection or "
                           "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+  prepare = sub.add_parser("prepare", help="tokenize a corpus once into the cache that training reads")
+  prepare.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+  prepare.add_argument("--workdir", required=True)
   sample = sub.add_parser("sample", help="continue a prompt with a trained model")
   sample.add_argument("--workdir", required=True)
   sample.add_argument("--prompt", default=None, help="defaults to the config's sample.prompt")
@@ -45,17 +48,30 @@ def parse(argv):
   return parser.parse_args(rest), overrides
 
 
+def _prepare(cfg, workdir: str) -> int:
+  from jaxtrain import data
+  if cfg.data.kind != "text":
+    raise config_lib.ConfigError(f"prepare: data.kind={cfg.data.kind!r} needs no preparation (only 'text')")
+  try:
+    data.prepare_corpus(cfg, workdir)
+  except (FileNotFoundError, ValueError) as e:  # DataError is a ValueError
+    raise config_lib.ConfigError(str(e)) from e
+  return 0
+
+
 def main(argv=None) -> int:
   try:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
-    if args.command == "train":
+    if args.command in ("train", "prepare"):
       cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
       import jax  # after flag parsing, so that --help and bad flags stay fast
-      if args.distributed:
+      if getattr(args, "distributed", False):
         jax.distributed.initialize()
       config_lib.validate(cfg, jax.device_count())
     elif overrides:
-      raise config_lib.ConfigError("--config.* overrides apply to train only")
+      raise config_lib.ConfigError("--config.* overrides apply to train and prepare only")
+    if args.command == "prepare":
+      return _prepare(cfg, args.workdir)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -96,6 +96,17 @@ def evaluate(eval_fn, params, feed: Feed, batches, n: int) -> dict:
   return out
 
 
+def prepare_corpus(cfg, workdir: str, progress: bool = True) -> dict:
+  """Tokenizer and token caches for kind "text", made once by process 0; the others wait for them."""
+  report = data.prepare_corpus(cfg, workdir, progress) if jax.process_index() == 0 else {}
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("jaxtrain_prepare")
+    if jax.process_index() != 0:
+      report = data.prepare_corpus(cfg, workdir, progress=False)  # finds and reuses the caches
+  return report
+
+
 def save(ckpt, workdir: str, step: int, state, data_iter) -> None:
   """Data iterator state first (small, synchronous), then the train state (asynchronous)."""
   checkpoint.save_data_state(workdir, step, jax.process_index(), data_iter.get_state())
@@ -133,8 +144,11 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   # ---- data (opened before compiling): run step i reads global batch i, so the step is its state ----
   feed = Feed(t.batch_size, t.seq_len, parallel.batch_sharding(mesh))
   try:
-    train_iter = data.make_iterator(cfg, "train", feed.lo, feed.hi)
-    eval_iter = functools.partial(data.make_iterator, cfg, "eval", feed.lo, feed.hi)
+    if cfg.data.kind == "text":
+      prepare_corpus(cfg, workdir, progress and jax.process_index() == 0)
+    where = (feed.lo, feed.hi, workdir, jax.process_index(), jax.process_count())
+    train_iter = data.make_iterator(cfg, "train", *where)
+    eval_iter = functools.partial(data.make_iterator, cfg, "eval", *where)
     if t.eval_every:
       eval_iter()  # fails now, not at the first evaluation
   except (FileNotFoundError, ValueError) as e:  # a missing corpus, no usable documents
@@ -221,7 +235,7 @@ def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, t
   devices = devices or jax.local_devices()[:1]
   cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
   mesh, model, tx, _ = build(cfg, devices)
-  tokenizer = data.make_tokenizer(cfg)
+  tokenizer = data.make_tokenizer(cfg, workdir)
   ckpt = checkpoint.manager(workdir)
   if ckpt.latest_step() is None:
     raise config_lib.ConfigError(f"no checkpoint in {workdir}/checkpoints; train first")
