@@ -1,9 +1,12 @@
 """The on-disk token cache that `prepare` writes and the pipeline reads (numpy only).
 
 CACHE/
-  manifest.json   {"fingerprint", "num_docs", "num_tokens", "dtype", "tokenizer", "sources", "complete"}
+  manifest.json   {"fingerprint", "num_docs", "num_tokens", "dtype", "vocab_size", "complete", ...}
+                  prepare adds "source" (the data.path entry), "format" and "tokenizer" (its spec)
+  report.json     the data report of prepare (jaxtrain/data/report.py), written before the manifest
   tokens.bin      every document's token ids, concatenated (BOS/EOS already in place), dtype as named
   offsets.npy     int64 [num_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+  shards-KEY/     prepare's finished shards while it runs (prepare.py); removed once the cache is complete
 
 A cache is valid only when manifest.json exists with "complete": true; it is written last, after
 the arrays, by an atomic rename, so a killed `prepare` never leaves a cache that looks finished.
@@ -23,14 +26,21 @@ def token_dtype(vocab_size: int):
 
 def write_cache(path: str, docs, vocab_size: int, fingerprint: str, **meta) -> dict:
   """Writes documents (iterable of int arrays) as a complete cache; returns the manifest."""
+  dtype = token_dtype(vocab_size)
+  chunks = ((np.asarray(doc, dtype), [len(doc)]) for doc in docs)
+  return write_chunks(path, chunks, vocab_size, fingerprint, **meta)
+
+
+def write_chunks(path: str, chunks, vocab_size: int, fingerprint: str, **meta) -> dict:
+  """Like write_cache from (tokens, lengths) chunks: each is len(lengths) documents back to back."""
   os.makedirs(path, exist_ok=True)
   dtype = token_dtype(vocab_size)
   lengths = []
   with open(os.path.join(path, "tokens.bin.tmp"), "wb") as f:
-    for doc in docs:
-      arr = np.asarray(doc, dtype)
-      f.write(arr.tobytes())
-      lengths.append(len(arr))
+    for tokens, chunk_lengths in chunks:
+      f.write(np.asarray(tokens, dtype).tobytes())
+      lengths.append(np.asarray(chunk_lengths, np.int64))
+  lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
   offsets = np.zeros(len(lengths) + 1, np.int64)
   np.cumsum(lengths, out=offsets[1:])
   np.save(os.path.join(path, "offsets.npy.tmp.npy"), offsets)

@@ -1,0 +1,219 @@
+"""Corpus sources: mixture parsing, listing, every format read, the bad-input rules, one-line errors."""
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxtrain.data import report, sources
+from jaxtrain.data.sources import DataError, Piece
+
+TEXTS = ["first doc", "second\nline", "third é", "fourth"]
+
+
+def read_all(spec, fmt="auto", text_field="text", bad_utf8="repair", piece_bytes=1 << 20):
+  """(texts, counts, pieces) of a source, read the way prepare reads it."""
+  counts = report.new_counts()
+  pieces = sources.plan_pieces(sources.list_files(str(spec), fmt), text_field, piece_bytes, counts)
+  texts = list(sources.iter_texts(pieces, text_field, bad_utf8, counts))
+  return texts, counts, pieces
+
+
+def assert_one_line_error(fn, *fragments):
+  with pytest.raises(DataError) as e:
+    fn()
+  msg = str(e.value)
+  assert "\n" not in msg and all(f in msg for f in fragments), msg
+
+
+def test_parse_mixture():
+  got = sources.parse_mixture("a/*.txt@0.7, b.jsonl@0.3")
+  assert [s for s, _ in got] == ["a/*.txt", "b.jsonl"]
+  np.testing.assert_allclose([w for _, w in got], [0.7, 0.3])
+  assert sources.parse_mixture("x") == [("x", 1.0)]
+  np.testing.assert_allclose([w for _, w in sources.parse_mixture("a,b@3")], [0.25, 0.75])
+  for bad, fragment in [("", "empty"), ("a@x", "not a number"), ("a@-1", "positive"), ("a,,b", "''"),
+                        ("a@0", "positive"), ("@2", "positive"), ("a@inf", "positive")]:
+    assert_one_line_error(lambda: sources.parse_mixture(bad), fragment)
+
+
+def test_parse_mixture_keeps_an_existing_path_with_at(tmp_path):
+  path = tmp_path / "v@2.txt"
+  path.write_text("x")
+  assert sources.parse_mixture(f"{path},{tmp_path}/b@2") == [(str(path), 1 / 3), (f"{tmp_path}/b", 2 / 3)]
+
+
+def test_list_files_directory_glob_and_formats(tmp_path):
+  for rel in ["b.txt", "a.jsonl", "sub/c.parquet", "sub/d.arrayrecord", "e.py", ".hidden", ".git/x", "f.JSON"]:
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_text("x")
+  got = [(os.path.relpath(p, tmp_path), f) for p, f in sources.list_files(str(tmp_path), "auto")]
+  assert got == [("a.jsonl", "jsonl"), ("b.txt", "text"), ("e.py", "text"), ("f.JSON", "jsonl"),
+                 ("sub/c.parquet", "parquet"), ("sub/d.arrayrecord", "arrayrecord")]
+  assert [f for _, f in sources.list_files(str(tmp_path), "text")] == ["text"] * 6
+  globbed = sources.list_files(str(tmp_path / "*.*"), "auto")
+  assert [os.path.basename(p) for p, _ in globbed] == ["a.jsonl", "b.txt", "e.py", "f.JSON"]
+  assert sources.list_files(str(tmp_path / "b.txt"), "auto") == [(str(tmp_path / "b.txt"), "text")]
+
+
+def test_missing_and_unreadable_paths_are_one_line_errors(tmp_path):
+  assert_one_line_error(lambda: sources.list_files(str(tmp_path / "nope.txt"), "auto"), "does not exist")
+  assert_one_line_error(lambda: sources.list_files(str(tmp_path / "*.txt"), "auto"), "matches no files")
+  (tmp_path / "empty_dir").mkdir()
+  assert_one_line_error(lambda: sources.list_files(str(tmp_path / "empty_dir"), "auto"), "without files")
+  assert_one_line_error(lambda: sources.list_files(str(tmp_path / "empty_dir"), "hf"), "not a saved")
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "ok.txt").write_text("fine")
+  os.symlink(bad / "gone.txt", bad / "link.txt")
+  assert_one_line_error(lambda: sources.list_files(str(bad), "auto"), "cannot read", "link.txt")
+  os.remove(bad / "link.txt")
+  os.mkfifo(bad / "pipe.txt")
+  assert_one_line_error(lambda: sources.list_files(str(bad), "auto"), "cannot read", "pipe.txt",
+                        "not a regular file")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads chmod 000 files; fifo and broken-link cases stand in")
+def test_permission_denied_is_one_line_error(tmp_path):
+  (tmp_path / "secret.txt").write_text("x")
+  os.chmod(tmp_path / "secret.txt", 0)
+  assert_one_line_error(lambda: sources.list_files(str(tmp_path), "auto"), "cannot read", "Permission denied")
+
+
+def clean(raw, bad_utf8="repair", reason=None):
+  counts = report.new_counts()
+  text = report.clean(raw, reason, bad_utf8, counts, "here")
+  cases = {f"{g}.{k}": n for g in ("skipped", "repaired") for k, n in counts[g].items() if n}
+  return text, cases, counts
+
+
+def test_clean_rules():
+  rng = np.random.default_rng(0)
+  assert clean(b"plain text")[:2] == ("plain text", {})
+  assert clean("keeps a real \ufffd".encode())[:2] == ("keeps a real \ufffd", {})
+  assert clean(b"")[:2] == (None, {"skipped.empty": 1})
+  assert clean(b" \n\t ")[:2] == (None, {"skipped.empty": 1})
+  assert clean(b"caf\xe9 au lait")[:2] == ("caf\ufffd au lait", {"repaired.invalid_utf8": 1})
+  assert clean(b"caf\xe9 au lait", "skip")[:2] == (None, {"skipped.invalid_utf8": 1})
+  text, cases, counts = clean(b"ab\x00cdefgh\x00ijklm")
+  assert (text, cases, counts["nul_bytes_removed"]) == ("abcdefghijklm", {"repaired.nul": 1}, 2)
+  assert clean(b"\x00" * 20)[:2] == (None, {"skipped.binary": 1})
+  assert clean(rng.bytes(4096))[:2] == (None, {"skipped.binary": 1})
+  assert clean("a UTF-16 document".encode("utf-16"))[:2] == (None, {"skipped.binary": 1})
+  assert clean(b"\n\n\x00\n\n\n")[:2] == (None, {"skipped.empty": 1})  # 1 NUL in 6 bytes, then blank
+  assert clean(b"{", reason="malformed_json")[:2] == (None, {"skipped.malformed_json": 1})
+  _, _, counts = clean(b"x")
+  assert (counts["documents"], counts["kept"], counts["examples"]) == (1, 1, {})
+
+
+def test_examples_and_merge_keep_the_first_few():
+  a, b = report.new_counts(), report.new_counts()
+  for i in range(4):
+    report.note(a, "binary", f"a{i}", "skipped")
+    report.note(b, "binary", lambda i=i: f"b{i}", "skipped")
+  b["max_document_tokens"] = 7
+  total = report.merge(report.merge(report.new_counts(), a), b)
+  assert total["skipped"]["binary"] == 8 and total["max_document_tokens"] == 7
+  assert total["examples"]["binary"] == ["a0", "a1", "a2", "a3", "b0"]
+
+
+def test_text_files(tmp_path):
+  for i, t in enumerate(TEXTS):
+    (tmp_path / f"{i}.txt").write_text(t)
+  texts, counts, pieces = read_all(tmp_path)
+  assert texts == TEXTS and len(pieces) == 4 and (counts["documents"], counts["kept"]) == (4, 4)
+
+
+def write_jsonl(path, lines):
+  path.write_bytes(b"".join(line if isinstance(line, bytes) else json.dumps(line).encode() + b"\n"
+                            for line in lines))
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 40, 1 << 20])
+def test_jsonl_lines_pieces_and_line_numbers(tmp_path, piece_bytes):
+  lines = [{"text": TEXTS[0], "id": 1}, b"\r\n", b'{"text": "crlf"}\r\n', b"{broken\n", {"body": "x"},
+           [1, 2], {"text": None}, {"text": TEXTS[1]}, {"text": "nul\u0000 via escape"}, b'{"text": "last"}']
+  write_jsonl(tmp_path / "d.jsonl", lines)
+  texts, counts, pieces = read_all(tmp_path / "d.jsonl", piece_bytes=piece_bytes)
+  assert texts == [TEXTS[0], "crlf", TEXTS[1], "nul via escape", "last"]
+  assert counts["skipped"] == {"malformed_json": 1, "missing_field": 3, "empty": 1, "binary": 0, "invalid_utf8": 0}
+  p = str(tmp_path / "d.jsonl")
+  assert counts["examples"]["malformed_json"] == [f"{p}:4"]
+  assert counts["examples"]["missing_field"] == [f"{p}:5", f"{p}:6", f"{p}:7"]
+  assert counts["examples"]["empty"] == [f"{p}:2"]
+  # line sizes 31 2 18 8 14 7 15 25 33 16: pieces of >= 40 bytes start at lines 1, 4 (51 B), 8 (44 B), 10 (58 B)
+  firsts = {1: list(range(1, 11)), 40: [1, 4, 8, 10], 1 << 20: [1]}[piece_bytes]
+  assert [p.first for p in pieces] == firsts
+  assert pieces[-1].stop == os.path.getsize(p) and all(a.stop == b.start for a, b in zip(pieces, pieces[1:]))
+
+
+def test_jsonl_invalid_utf8_inside_a_string_is_repaired_like_text(tmp_path):
+  (tmp_path / "d.jsonl").write_bytes(b'{"text": "caf\xe9"}\n{"text": "lone \\ud800 surrogate"}\n')
+  texts, counts, _ = read_all(tmp_path / "d.jsonl")
+  assert texts == ["caf\ufffd", "lone \ufffd\ufffd\ufffd surrogate"]  # CESU bytes ED A0 80: 3 bad
+  assert counts["repaired"]["invalid_utf8"] == 2
+  texts, counts, _ = read_all(tmp_path / "d.jsonl", bad_utf8="skip")
+  assert texts == [] and counts["skipped"]["invalid_utf8"] == 2
+
+
+def test_parquet_row_groups_nulls_and_binary(tmp_path):
+  table = pa.table({"text": TEXTS + [None, ""], "n": list(range(6))})
+  pq.write_table(table, tmp_path / "a.parquet", row_group_size=2)
+  pq.write_table(pa.table({"text": pa.array([b"raw \xff", b"ok"], pa.binary())}), tmp_path / "b.parquet")
+  texts, counts, pieces = read_all(tmp_path, piece_bytes=1)
+  assert texts == TEXTS + ["raw \ufffd", "ok"]
+  assert [(p.start, p.stop, p.first) for p in pieces] == [(0, 1, 0), (1, 2, 2), (2, 3, 4), (0, 1, 0)]
+  assert counts["skipped"]["missing_field"] == 1 and counts["skipped"]["empty"] == 1
+  assert counts["examples"]["missing_field"] == [f"{tmp_path / 'a.parquet'}[4]"]
+  assert read_all(tmp_path)[0] == texts
+  assert_one_line_error(lambda: read_all(tmp_path, text_field="body"), "no column 'body'", "columns: text, n")
+  assert_one_line_error(lambda: read_all(tmp_path / "a.parquet", text_field="n"), "type int64")
+  (tmp_path / "c.parquet").write_text("not parquet")
+  assert_one_line_error(lambda: read_all(tmp_path / "c.parquet"), "not a readable Parquet file")
+
+
+def write_arrayrecord(path, records):
+  from array_record.python.array_record_module import ArrayRecordWriter
+  writer = ArrayRecordWriter(str(path), "group_size:1")
+  for r in records:
+    writer.write(r)
+  writer.close()
+
+
+def test_arrayrecord_text_and_json_records(tmp_path):
+  write_arrayrecord(tmp_path / "t.arrayrecord", [t.encode() for t in TEXTS] + [b"bad \xff"])
+  write_arrayrecord(tmp_path / "j.array_record",
+                    [json.dumps({"text": t}).encode() for t in TEXTS] + [b"{oops", b'{"id": 3}'])
+  texts, counts, pieces = read_all(tmp_path / "t.arrayrecord", piece_bytes=1)
+  assert texts == TEXTS + ["bad \ufffd"] and len(pieces) == 5 and counts["repaired"]["invalid_utf8"] == 1
+  texts, counts, pieces = read_all(tmp_path / "j.array_record")
+  assert texts == TEXTS and {p.fmt for p in pieces} == {"arrayrecord_json"}
+  assert counts["skipped"]["malformed_json"] == 1 and counts["skipped"]["missing_field"] == 1
+  assert counts["examples"]["malformed_json"] == [f"{tmp_path / 'j.array_record'}[4]"]
+
+
+def test_hf_dataset_on_disk(tmp_path):
+  datasets = pytest.importorskip("datasets")
+  datasets.disable_progress_bars()
+  ds = datasets.Dataset.from_dict({"content": TEXTS + [None], "id": list(range(5))})
+  ds.save_to_disk(str(tmp_path / "ds"))
+  assert sources.list_files(str(tmp_path / "ds"), "auto") == [(str(tmp_path / "ds"), "hf")]
+  texts, counts, pieces = read_all(tmp_path / "ds", text_field="content", piece_bytes=1)
+  assert texts == TEXTS and counts["skipped"]["missing_field"] == 1 and len(pieces) == 5
+  datasets.DatasetDict({"test": ds.select([0]), "train": ds.select([1, 2])}).save_to_disk(str(tmp_path / "dd"))
+  assert read_all(tmp_path / "dd", text_field="content")[0] == TEXTS[1:3]
+  assert_one_line_error(lambda: read_all(tmp_path / "ds"), "no column 'text'", "content, id")
+
+
+def test_empty_files_count_and_piece_sizes(tmp_path):
+  for name in ["a.txt", "b.jsonl", "c.parquet"]:
+    (tmp_path / name).write_bytes(b"")
+  pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "d.parquet")
+  texts, counts, pieces = read_all(tmp_path)
+  assert (texts, pieces, counts["empty_files"], counts["documents"]) == ([], [], 4, 0)
+  want = [Piece("hf", "p", 0, 3, 0, 300), Piece("hf", "p", 3, 6, 3, 300), Piece("hf", "p", 6, 9, 6, 300),
+          Piece("hf", "p", 9, 10, 9, 100)]
+  assert sources._split("hf", "p", 10, 1000, 300) == want  # 10 rows of 100 bytes, pieces of 300
