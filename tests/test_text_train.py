@@ -26,7 +26,7 @@ def corpus(tmp_path):
 
 def text_config(path, **train):
   cfg = tiny_config(model=dict(vocab_size=264, max_seq_len=32), mesh=dict(data=2, fsdp=2, tensor=2, rules="fsdp_tp"),
-                    train=dict(steps=4, batch_size=8, seq_len=16, eval_every=2, eval_batches=1, **train),
+                    train={**dict(steps=4, batch_size=8, seq_len=16, eval_every=2, eval_batches=1), **train},
                     checkpoint=dict(every_steps=2))
   cfg.data.update(kind="text", path=path, tokenizer="byte", eval_fraction=0.2)
   return cfg
@@ -67,3 +67,49 @@ def test_prepare_cli_and_bad_corpus(tmp_path, capsys):
   lines = capsys.readouterr().err.strip().splitlines()  # after prepare's progress bar: one error line
   assert code == 2 and lines[-1].startswith("error: ") and "no usable text" in lines[-1], lines
   assert sum(line.startswith("error") for line in lines) == 1
+
+
+def test_corpus_of_every_bad_case_trains_and_is_counted(tmp_path):
+  from tests.test_prepare import write_bad_corpus
+  write_bad_corpus(tmp_path / "bad")
+  cfg = text_config(str(tmp_path / "bad"), steps=2)
+  cfg.train.update(eval_every=0)
+  cfg.mesh.update(data=-1, fsdp=1, tensor=1, rules="dp")
+  final = jaxtrain.train(cfg, str(tmp_path / "run"), devices=jax.devices()[:1], progress=False)
+  assert np.isfinite(final["loss"])
+  r = json.load(open(tmp_path / "run" / "data_cache" / "report.json"))
+  assert (r["files"], r["empty_files"], r["documents"], r["kept"]) == (7, 1, 10, 6)
+  assert r["skipped"] == {"malformed_json": 1, "missing_field": 1, "empty": 1, "binary": 1, "invalid_utf8": 0}
+  # longer than seq_len=16 with BOS/EOS: the latin-1 (17), NUL (19) and long (302) documents
+  assert r["repaired"] == {"invalid_utf8": 1, "nul": 1} and r["long_documents"] == 3
+
+
+def test_packed_row_loss_per_document_equals_documents_alone(tmp_path):
+  """The pipeline's segment_ids/positions make a packed row exactly the documents run separately."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  from jaxtrain.data import cache, pipeline
+  from jaxtrain.model import ModelConfig, Transformer
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(3, 250, size=n) for n in rng.integers(3, 12, size=40)]
+  cache.write_cache(str(tmp_path / "c"), docs, 264, "test")
+  batch = next(pipeline.TextPipeline([str(tmp_path / "c")], None, 32, 4, 0, "train", 0.1))
+  cfg = tiny_config(model=dict(vocab_size=264, max_seq_len=32))
+  model = Transformer(ModelConfig.from_config(cfg.model))
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))["params"])
+  apply = jax.jit(model.apply)
+
+  def token_losses(inputs, targets, positions=None, segments=None):
+    logits = apply({"params": params}, inputs, positions, segments)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+
+  packed = token_losses(*(jnp.asarray(batch[k]) for k in ("inputs", "targets", "positions", "segment_ids")))
+  checked = 0
+  for row in range(batch["inputs"].shape[0]):
+    for seg in set(batch["segment_ids"][row]) - {0}:
+      cols = np.nonzero(batch["segment_ids"][row] == seg)[0]
+      alone = token_losses(jnp.asarray(batch["inputs"][row, cols])[None], jnp.asarray(batch["targets"][row, cols])[None])
+      np.testing.assert_allclose(packed[row, cols], alone[0], rtol=1e-5, atol=1e-6)
+      assert np.all(batch["positions"][row, cols] == np.arange(len(cols)))
+      checked += 1
+  assert checked >= 8  # several documents per row were packed
