@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import train_step  # noqa: E402
+
 from jaxtrain import config as config_lib, data  # noqa: E402
 from jaxtrain.data import prepare as prepare_lib, tokenizers  # noqa: E402
 
@@ -102,18 +104,14 @@ def main():
   shutil.rmtree(workdir, ignore_errors=True)
 
   lines = [f"### Data pipeline vs train step; prepare vs tokenizer ({datetime.date.today()})", "",
-           f"- hardware: {os.cpu_count()} cores; command: `python benchmarks/data_pipeline.py`",
+           *train_step.machine_lines(), "- command: `python benchmarks/data_pipeline.py`",
            "- corpus: text_tiny's default (Python stdlib *.py), seq_len 128, batch 32", "",
            "| pipeline tokens/s | tiny train step tokens/s | ratio (target >= 10x) |", "|---|---|---|",
            f"| {pipe:,.0f} | {step:,.0f} | {pipe / step:.1f}x |", "",
            f"| tokenizer, corpus | prepare tokens/s ({os.cpu_count()} workers) | encode loop tokens/s | ratio (target >= 0.8x) |",
            "|---|---|---|---|"]
   lines += [f"| {name} | {p:,.0f} | {d:,.0f} | {p / d:.2f}x |" for name, p, d in rows]
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.record:
-    with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
-      f.write("\n" + text)
+  train_step.publish(lines, args.record)
 
 
 if __name__ == "__main__":

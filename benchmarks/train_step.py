@@ -73,8 +73,7 @@ def main():
   lines = [
       f"### Train step vs measured matmul peak ({datetime.date.today()})",
       "",
-      f"- hardware: {cpu_name()}, {os.cpu_count()} cores, backend {jax.default_backend()}",
-      f"- jax {jax.__version__}, python {platform.python_version()}",
+      *machine_lines(),
       f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}`",
       f"- f32 matmul peak (2048^3, median of 7): {peak_before / 1e9:.1f} GFLOP/s before, "
       f"{peak_after / 1e9:.1f} after; MFU uses the higher",
@@ -86,9 +85,19 @@ def main():
     achieved = r["flops_per_step"] / r["step_time_s"]
     lines.append(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_time_s'] * 1e3:.0f} ms "
                  f"| {r['tokens_per_sec']:,.0f} | {achieved / 1e9:.1f} | {achieved / peak:.1%} |")
+  publish(lines, args.record)
+
+
+def machine_lines() -> list[str]:
+  return [f"- hardware: {cpu_name()}, {os.cpu_count()} cores, backend {jax.default_backend()}",
+          f"- jax {jax.__version__}, python {platform.python_version()}"]
+
+
+def publish(lines: list[str], record: bool) -> None:
+  """Prints a result table; with `record`, appends it to benchmarks/RESULTS.md."""
   text = "\n".join(lines) + "\n"
   print(text)
-  if args.record:
+  if record:
     with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
       f.write("\n" + text)
 

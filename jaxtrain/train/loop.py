@@ -188,7 +188,8 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
           last, window_start, window_steps = row, time.perf_counter(), 0
       window_steps += 1
       is_last = step + 1 == t.steps
-      pending = (step + 1, step_metrics, is_last or (step + 1) % t.log_every == 0, {})
+      # The first step is always logged alone: its time includes compilation, later windows' do not.
+      pending = (step + 1, step_metrics, is_last or step == start or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
         result = evaluate(eval_fn, state.params, feed, eval_iter(), t.eval_batches)
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
