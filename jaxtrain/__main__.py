@@ -84,6 +84,11 @@ def main(argv=None) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 2
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(final.items())))
+    if final.get("preempted"):
+      from jaxtrain.train.preemption import EXIT_STATUS
+      print(f"preempted ({final['preempted']}) at step {final['step']}: checkpoint saved; rerun the same "
+            "command to resume", file=sys.stderr)
+      return EXIT_STATUS
     if not args.no_sample and jax.process_index() == 0:
       s = cfg.sample
       text = jaxtrain.sample(args.workdir, s.prompt, s.max_new_tokens, s.temperature, s.top_k)

@@ -4,6 +4,7 @@
 only parses flags and calls them.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ import tqdm
 from jaxtrain import checkpoint, config as config_lib, data, metrics as metrics_lib, optim, parallel
 from jaxtrain.model import ModelConfig, Transformer, generate
 from jaxtrain.train import state as state_lib
+from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.step import eval_step, train_step
 
 
@@ -166,7 +168,9 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   start = int(state.step)
 
   # ---- compile once, with the logical rules and mesh in context ----
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(nn.logical_axis_rules(rules))
     train_fn, eval_fn = compile_steps(cfg, mesh, model, tx, schedule, shardings)
     flops = flops_per_token(cfg)
     peak, peak_source = peak_flops_total(cfg)
@@ -177,7 +181,8 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
     tokens_per_step = t.batch_size * t.seq_len
     window_start, window_steps = time.perf_counter(), 0
 
-    # ---- loop: dispatch step n, then read step n-1's metrics ----
+    # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
+    preemption = stack.enter_context(Preemption())
     for step in range(start, t.steps):
       state, step_metrics = train_fn(state, feed.put(next(train_iter)))
       if sync_every_step:
@@ -195,13 +200,17 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if not bar.disable:
           bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+      if preemption.requested:
+        pending = (*pending[:2], True, pending[3])
+        last["preempted"] = preemption.requested
+        break
       if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and not is_last:
         save(ckpt, workdir, step + 1, state, train_iter)
     if pending is not None:
       last.update(_log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps,
                             tokens_per_step))
 
-  # ---- the end: save, close sinks ----
+  # ---- the end (also after a preemption): save, close sinks ----
   if ckpt.latest_step() != int(state.step):
     save(ckpt, workdir, int(state.step), state, train_iter)
   ckpt.wait_until_finished()
@@ -209,8 +218,9 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
     checkpoint.prune_data_states(workdir, ckpt.all_steps())
   bar.close()
   writer.close()
-  last.update({"peak_flops": peak, "peak_source": peak_source, **constants})
+  last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), **constants})
   return last
+
 
 
 def _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step):
