@@ -10,7 +10,7 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.config import load_config_file
-from jaxtrain.train import loop, state as state_lib
+from jaxtrain.train import loop
 from tests.conftest import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,9 +20,8 @@ KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s
 def final_params(workdir):
   cfg = loop.load_config(workdir)
   mesh, model, tx, _ = loop.build(cfg)
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
-  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
-  return jax.device_get(checkpoint.restore(checkpoint.manager(workdir), abstract, shardings).params)
+  state, _ = loop.restore_state(checkpoint.manager(workdir), model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
+  return jax.device_get(state.params)
 
 
 def test_train_writes_metrics_and_resumes_bitwise(tmp_path):

@@ -109,6 +109,13 @@ def prepare_corpus(cfg, workdir: str, progress: bool = True) -> dict:
   return report
 
 
+def restore_state(ckpt, model, tx, seq_len, mesh, rules_name, step=None):
+  """The checkpointed train state read straight into its shardings (nothing initialized first)."""
+  shardings = state_lib.state_shardings(model, tx, seq_len, mesh, rules_name)
+  abstract = jax.eval_shape(state_lib.init_fn(model, tx, seq_len), 0)
+  return checkpoint.restore(ckpt, abstract, shardings, step), shardings
+
+
 def save(ckpt, workdir: str, step: int, state, data_iter) -> None:
   """Data iterator state first (small, synchronous), then the train state (asynchronous)."""
   checkpoint.save_data_state(workdir, step, jax.process_index(), data_iter.get_state())
@@ -143,7 +150,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   mesh, model, tx, schedule = build(cfg, devices)
   rules = parallel.RULES[cfg.mesh.rules]
 
-  # ---- data (opened before compiling): run step i reads global batch i, so the step is its state ----
+  # ---- data, opened before compiling: this process's rows of each global batch, with a state ----
   feed = Feed(t.batch_size, t.seq_len, parallel.batch_sharding(mesh))
   try:
     if cfg.data.kind == "text":
@@ -159,12 +166,13 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   constants = {"entropy_floor": floor()} if floor else {}
   write_config(cfg, workdir)
 
-  # ---- state: born sharded, or restored from the newest checkpoint ----
-  state, shardings = state_lib.create_state(model, tx, t.seq_len, t.seed, mesh, cfg.mesh.rules)
+  # ---- state: restored from the newest checkpoint, or born sharded ----
   ckpt = checkpoint.manager(workdir)
   if ckpt.latest_step() is not None:
-    state = checkpoint.restore(ckpt, state, shardings)
+    state, shardings = restore_state(ckpt, model, tx, t.seq_len, mesh, cfg.mesh.rules)
     train_iter.set_state(checkpoint.load_data_state(workdir, int(state.step), jax.process_index()))
+  else:
+    state, shardings = state_lib.create_state(model, tx, t.seq_len, t.seed, mesh, cfg.mesh.rules)
   start = int(state.step)
 
   # ---- compile once, with the logical rules and mesh in context ----
@@ -242,26 +250,23 @@ def _log_step(pending, writer, bar, constants, flops, peak, window_start, window
 def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int = 0,
            devices=None) -> str:
   """Text continuation of `prompt` by the model trained in `workdir` (newest checkpoint)."""
+  if max_new_tokens < 1 or temperature < 0 or top_k < 0:
+    raise config_lib.ConfigError("sample: max_new_tokens must be >= 1, temperature and top_k >= 0")
   cfg = load_config(workdir)
-  devices = devices or jax.local_devices()[:1]
-  cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
-  mesh, model, tx, _ = build(cfg, devices)
   tokenizer = data.make_tokenizer(cfg, workdir)
-  ckpt = checkpoint.manager(workdir)
-  if ckpt.latest_step() is None:
-    raise config_lib.ConfigError(f"no checkpoint in {workdir}/checkpoints; train first")
-  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
-  params = checkpoint.restore(ckpt, abstract, shardings).params
   try:
     prompt_ids = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
-  if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-    raise config_lib.ConfigError("sample: max_new_tokens must be >= 1, temperature and top_k >= 0")
   if len(prompt_ids) + max_new_tokens > cfg.model.max_seq_len:
     raise config_lib.ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                                  f"exceeds model.max_seq_len={cfg.model.max_seq_len}")
+  ckpt = checkpoint.manager(workdir)
+  if ckpt.latest_step() is None:
+    raise config_lib.ConfigError(f"no checkpoint in {workdir}/checkpoints; train first")
+  cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
+  mesh, model, tx, _ = build(cfg, devices or jax.local_devices()[:1])
+  params = restore_state(ckpt, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0].params
   gen = jax.jit(generate, static_argnums=(0, 4, 5, 6))
   tokens = gen(model, params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
                temperature, top_k)
