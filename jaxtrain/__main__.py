@@ -32,6 +32,8 @@ def parse(argv):
   train.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   train.add_argument("--workdir", required=True)
   train.add_argument("--no_sample", action="store_true", help="skip the sample printed after training")
+  train.add_argument("--start_over", action="store_true",
+                     help="delete the workdir's checkpoints and start again (needed when the config changed)")
   train.add_argument("--distributed", action="store_true",
                      help="multi-host: call jax.distributed.initialize() (cluster auto-detection or "
                           "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
   import jaxtrain
   if args.command == "train":
     try:
-      final = jaxtrain.train(cfg, args.workdir)
+      final = jaxtrain.train(cfg, args.workdir, start_over=args.start_over)
     except config_lib.ConfigError as e:  # data paths and contents, checked before compiling
       print(f"error: {e}", file=sys.stderr)
       return 2

@@ -6,7 +6,9 @@ device_count)` runs before anything is compiled and raises `ConfigError` with on
 
 import ml_collections
 
-PRESETS = ("dp", "fsdp", "fsdp_tp")
+PRESETS = ("dp", "fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep")
+ROUTERS = ("softmax", "sigmoid")
+DISPATCH = ("dropless", "capacity")
 REMAT = ("none", "dots", "full")
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -42,6 +44,21 @@ def default_config() -> ml_collections.ConfigDict:
   m.remat = "none"  # one of REMAT
   m.scan_layers = True  # False unrolls the layer loop (same parameter tree); faster on CPU
   m.init_std = 0.02
+  # Mixture of experts (jaxtrain/model/moe.py); n_experts = 0 is a dense model.
+  m.n_experts = 0  # routed experts per MoE layer
+  m.top_k = 2  # experts per token
+  m.d_ff_expert = 0  # hidden size of each routed (and shared) expert; 0 = d_ff
+  m.n_shared_experts = 0  # experts every token goes through (DeepSeek), SwiGLU of n * d_ff_expert
+  m.router = "softmax"  # one of ROUTERS: scores = softmax or sigmoid of the router logits
+  m.renormalize = True  # top-k gate weights divided by their sum
+  m.route_scale = 1.0  # routed output multiplied by this (DeepSeek-V3: 2.5)
+  m.dispatch = "dropless"  # one of DISPATCH: sorted grouped matmul, or capacity buffers that drop
+  m.capacity_factor = 1.25  # capacity: slots per expert = ceil(factor * tokens * top_k / n_experts)
+  m.moe_first_dense = 0  # the first n layers keep a dense MLP
+  m.moe_every = 1  # after those, every k-th layer is MoE (1 = all)
+  m.aux_loss_weight = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e * p_e)
+  m.router_z_weight = 0.001  # router z-loss (ST-MoE: mean logsumexp(router logits)^2)
+  m.bias_update_rate = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): per-expert bias step; 0 = off
 
   c.data = d = ml_collections.ConfigDict()
   d.kind = "synthetic"  # one of DATA_KINDS
@@ -97,7 +114,21 @@ def default_config() -> ml_collections.ConfigDict:
   x.rules = "fsdp"  # one of PRESETS
 
   c.checkpoint = k = ml_collections.ConfigDict()
-  k.every_steps = 0  # 0: only at the end
+  k.every_steps = 0  # persistent tier: save every n steps (0: by seconds / at the end only)
+  k.every_seconds = 0.0  # persistent tier: also save when this many seconds passed since its last save
+  k.dir = ""  # persistent tier: a path or TensorStore URL (gs://, s3://); "" = WORKDIR/checkpoints
+  k.keep = 2  # persistent tier: keep the newest n steps
+  k.keep_every_steps = 0  # persistent tier: also keep every step divisible by this (0: none)
+  k.fast_dir = ""  # fast tier (local disk, RAM disk); "" = no fast tier
+  k.fast_every_steps = 0  # fast tier: save every n steps
+  k.fast_every_seconds = 0.0  # fast tier: and/or every this many seconds
+  k.fast_keep = 1  # fast tier: keep the newest n steps
+  # Adaptive: between min and max steps apart, sooner while the loss is unstable (see checkpoint/policy.py).
+  k.adaptive = False
+  k.adaptive_min_steps = 10
+  k.adaptive_max_steps = 200
+  k.adaptive_spike = 0.1  # a loss above (1 + spike) x its running median is unstable
+  k.init_from = ""  # start from the params of another checkpoint (a converted HF model, a run dir)
 
   c.sample = s = ml_collections.ConfigDict()
   s.prompt = ""
@@ -147,6 +178,8 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("data.format", d.format, DATA_FORMATS)
   _check_choice("data.packing", d.packing, PACKINGS)
   _check_choice("data.bad_utf8", d.bad_utf8, BAD_UTF8)
+  _check_choice("model.router", m.router, ROUTERS)
+  _check_choice("model.dispatch", m.dispatch, DISPATCH)
   shape = mesh_shape(cfg, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len"):
@@ -161,7 +194,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
     if m[key] % tp:
       raise ConfigError(f"model.{key}={m[key]} is not divisible by the tensor axis ({tp})")
-  if cfg.mesh.rules in ("fsdp", "fsdp_tp") and m.d_model % shape["fsdp"]:
+  if cfg.mesh.rules != "dp" and m.d_model % shape["fsdp"]:
     raise ConfigError(f"model.d_model={m.d_model} is not divisible by the fsdp axis ({shape['fsdp']})")
   if t.seq_len > m.max_seq_len:
     raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}")

@@ -41,6 +41,24 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = True
   init_std: float = 0.02
+  n_experts: int = 0
+  top_k: int = 2
+  d_ff_expert: int = 0
+  n_shared_experts: int = 0
+  router: str = "softmax"
+  renormalize: bool = True
+  route_scale: float = 1.0
+  dispatch: str = "dropless"
+  capacity_factor: float = 1.25
+  moe_first_dense: int = 0
+  moe_every: int = 1
+  aux_loss_weight: float = 0.01
+  router_z_weight: float = 0.001
+  bias_update_rate: float = 0.0
+
+  @property
+  def expert_d_ff(self) -> int:
+    return self.d_ff_expert or self.d_ff
 
   @classmethod
   def from_config(cls, m) -> "ModelConfig":

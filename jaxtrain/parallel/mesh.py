@@ -16,6 +16,7 @@ DATA_AXES = ("replica", "data", "fsdp", "expert")
 
 _BATCH = [("batch", DATA_AXES)]
 _FSDP = [("embed", "fsdp")]
+_EP = [("expert", "expert")]  # experts over the expert axis; tokens travel to them by all-to-all
 _TP = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
 
 # Flax resolves rules in order and skips a mesh axis a dimension already uses, so an activation
@@ -24,6 +25,8 @@ RULES = {
     "dp": _BATCH,
     "fsdp": _BATCH + _FSDP,
     "fsdp_tp": _BATCH + _FSDP + _TP,
+    "fsdp_ep": _BATCH + _EP + _FSDP,
+    "fsdp_tp_ep": _BATCH + _EP + _FSDP + _TP,
 }
 
 
