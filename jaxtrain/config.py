@@ -224,6 +224,25 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   return shape
 
 
+# Keys a resumed run may change: where and how often it runs, logs and saves, not what it computes.
+RESUMABLE_CHANGES = ("mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
+                     "train.eval_batches", "train.microbatches", "data.prefetch", "data.prepare_workers",
+                     "data.cache_dir")
+
+
+def incompatible(saved: dict, current: dict) -> list[str]:
+  """The `key: saved -> current` differences that forbid resuming a run saved with `saved`."""
+  def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+      out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+  a, b = flat(saved), flat(current)
+  return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
+          if a.get(k) != b.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
+                                               for r in RESUMABLE_CHANGES)]
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
   """`path/to/NAME.py[:ARG]` -> the file's get_config(ARG) (ARG is None when absent)."""
   import importlib.util

@@ -73,7 +73,11 @@ class MetricsWriter:
       return
     from tensorboardX import SummaryWriter  # optional sink; imported only when writing
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    torn = os.path.isfile(path) and os.path.getsize(path) and _last_byte(path) != b"\n"
+    self._jsonl = open(path, "a")
+    if torn:  # a killed run left half a line: end it, so that the next row stands alone
+      self._jsonl.write("\n")
     self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, scalars: dict):
@@ -97,7 +101,19 @@ def _plain(v):
   return v.item() if v.size == 1 else v.tolist()
 
 
+def _last_byte(path: str) -> bytes:
+  with open(path, "rb") as f:
+    f.seek(-1, os.SEEK_END)
+    return f.read(1)
+
+
 def read_metrics(workdir: str) -> list[dict]:
-  """The rows of DIR/metrics.jsonl."""
+  """The rows of DIR/metrics.jsonl (a line cut short by a killed run is skipped)."""
+  rows = []
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows

@@ -20,7 +20,9 @@ KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s
 def final_params(workdir):
   cfg = loop.load_config(workdir)
   mesh, model, tx, _ = loop.build(cfg)
-  state, _ = loop.restore_state(checkpoint.manager(workdir), model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
+  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
+  state = loop.restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0]
+  ckpts.close()
   return jax.device_get(state.params)
 
 

@@ -194,8 +194,10 @@ def save_reference(tokenizer, workdir: str) -> None:
       spec["path"] = rel
   os.makedirs(workdir, exist_ok=True)
   ref = {"spec": spec, "fingerprint": tokenizer.fingerprint()}
-  with open(os.path.join(workdir, REF_FILE), "w") as f:
+  path = os.path.join(workdir, REF_FILE)
+  with open(path + ".tmp", "w") as f:  # replaced atomically: a kill never leaves half a file
     json.dump(ref, f, indent=2)
+  os.replace(path + ".tmp", path)
 
 
 def load_reference(workdir: str):

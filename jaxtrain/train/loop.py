@@ -8,6 +8,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import time
 
 import flax.linen as nn
@@ -109,24 +110,69 @@ def prepare_corpus(cfg, workdir: str, progress: bool = True) -> dict:
   return report
 
 
-def restore_state(ckpt, model, tx, seq_len, mesh, rules_name, step=None):
-  """The checkpointed train state read straight into its shardings (nothing initialized first)."""
+def restore_state(ckpts: checkpoint.Checkpoints, model, tx, seq_len, mesh, rules_name, step=None):
+  """The newest (or `step`) checkpoint read straight into its shardings (nothing initialized first):
+  (state, shardings, data_state, restore metrics row)."""
   shardings = state_lib.state_shardings(model, tx, seq_len, mesh, rules_name)
   abstract = jax.eval_shape(state_lib.init_fn(model, tx, seq_len), 0)
-  return checkpoint.restore(ckpt, abstract, shardings, step), shardings
+  state, data_state, _, row = ckpts.restore(abstract, shardings, step)
+  return state, shardings, data_state, row
 
 
-def save(ckpt, workdir: str, step: int, state, data_iter) -> None:
-  """Data iterator state first (small, synchronous), then the train state (asynchronous)."""
-  checkpoint.save_data_state(workdir, step, jax.process_index(), data_iter.get_state())
-  checkpoint.save(ckpt, step, state)
+def checkpoint_meta(cfg, workdir: str) -> dict:
+  """What a checkpoint carries beside the arrays: the config and the tokenizer reference."""
+  ref = os.path.join(workdir, "tokenizer_ref.json")
+  tokenizer = None
+  if os.path.isfile(ref):
+    with open(ref) as f:
+      tokenizer = json.load(f)
+  return {"config": cfg.to_dict(), "tokenizer": tokenizer}
+
+
+def check_workdir(cfg, workdir: str, start_over: bool) -> None:
+  """Refuses a workdir whose checkpoints were made by an incompatible config (one line), or, with
+  `start_over`, deletes its checkpoints and logs first."""
+  saved_path = os.path.join(workdir, "config.json")
+  if start_over:
+    if jax.process_index() == 0:
+      if os.path.isfile(saved_path):
+        checkpoint.remove_tiers(load_config(workdir), workdir)
+      checkpoint.remove_tiers(cfg, workdir)
+      for name in ("metrics.jsonl", "tb", "config.json"):
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+          shutil.rmtree(path)
+        elif os.path.exists(path):
+          os.remove(path)
+    _sync("jaxtrain_start_over")
+    return
+  if not os.path.isfile(saved_path):
+    return
+  saved = load_config(workdir)
+  probe = checkpoint.Checkpoints(saved, workdir, read_only=True)
+  has_checkpoint = probe.latest()[0] is not None
+  probe.close()
+  diff = config_lib.incompatible(saved.to_dict(), cfg.to_dict())
+  if has_checkpoint and diff:
+    shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+    raise config_lib.ConfigError(f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
+                                 "to replace it, or use another --workdir")
+
+
+def _sync(name: str):
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
 
 
 def write_config(cfg, workdir: str):
+  """DIR/config.json, replaced atomically (a kill never leaves half a file)."""
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
       f.write(cfg.to_json(indent=2))
+    os.replace(path + ".tmp", path)
 
 
 def load_config(workdir: str):
@@ -139,13 +185,16 @@ def load_config(workdir: str):
     return ml_collections.ConfigDict(json.load(f))
 
 
-def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_step: bool = False) -> dict:
+def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_step: bool = False,
+          start_over: bool = False) -> dict:
   """Trains `cfg` in `workdir` (resuming from its newest checkpoint); returns the last logged metrics.
 
   `devices` defaults to all; `sync_every_step` blocks on each step (many virtual CPU devices on few
-  cores have deadlocked XLA's collectives when steps were dispatched ahead)."""
+  cores have deadlocked XLA's collectives when steps were dispatched ahead); `start_over` deletes
+  the workdir's checkpoints and logs (needed when they come from an incompatible config)."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(cfg, len(devices))
+  check_workdir(cfg, workdir, start_over)
   t = cfg.train
   mesh, model, tx, schedule = build(cfg, devices)
   rules = parallel.RULES[cfg.mesh.rules]
@@ -166,11 +215,14 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   constants = {"entropy_floor": floor()} if floor else {}
   write_config(cfg, workdir)
 
-  # ---- state: restored from the newest checkpoint, or born sharded ----
-  ckpt = checkpoint.manager(workdir)
-  if ckpt.latest_step() is not None:
-    state, shardings = restore_state(ckpt, model, tx, t.seq_len, mesh, cfg.mesh.rules)
-    train_iter.set_state(checkpoint.load_data_state(workdir, int(state.step), jax.process_index()))
+  # ---- state: restored from the newest complete checkpoint of any tier, or born sharded ----
+  writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+  ckpts = checkpoint.Checkpoints(cfg, workdir)
+  meta = checkpoint_meta(cfg, workdir)
+  if ckpts.latest()[0] is not None:
+    state, shardings, data_state, row = restore_state(ckpts, model, tx, t.seq_len, mesh, cfg.mesh.rules)
+    train_iter.set_state(data_state)
+    writer.write(int(state.step), row)
   else:
     state, shardings = state_lib.create_state(model, tx, t.seq_len, t.seed, mesh, cfg.mesh.rules)
   start = int(state.step)
@@ -182,7 +234,6 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
     train_fn, eval_fn = compile_steps(cfg, mesh, model, tx, schedule, shardings)
     flops = flops_per_token(cfg)
     peak, peak_source = peak_flops_total(cfg)
-    writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     bar = tqdm.tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
                     dynamic_ncols=True)
     last, pending = {}, None
@@ -191,11 +242,14 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
     preemption = stack.enter_context(Preemption())
+    adaptive = any(tier.adaptive for tier in ckpts.tiers)
     for step in range(start, t.steps):
       state, step_metrics = train_fn(state, feed.put(next(train_iter)))
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:
+        if adaptive:  # the previous step's health, read while this one runs
+          _observe(ckpts, writer, pending)
         row = _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step)
         if row:
           last, window_start, window_steps = row, time.perf_counter(), 0
@@ -212,23 +266,37 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
         pending = (*pending[:2], True, pending[3])
         last["preempted"] = preemption.requested
         break
-      if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0 and not is_last:
-        save(ckpt, workdir, step + 1, state, train_iter)
+      if not is_last and (due := ckpts.due(step + 1)):
+        _log_decisions(writer, step + 1, ckpts.save(step + 1, state, train_iter.get_state(), meta, due))
+      for record in ckpts.finished_saves():
+        writer.write(record.step, record.row())
     if pending is not None:
       last.update(_log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps,
                             tokens_per_step))
 
-  # ---- the end (also after a preemption): save, close sinks ----
-  if ckpt.latest_step() != int(state.step):
-    save(ckpt, workdir, int(state.step), state, train_iter)
-  ckpt.wait_until_finished()
-  if jax.process_index() == 0:
-    checkpoint.prune_data_states(workdir, ckpt.all_steps())
+  # ---- the end (also after a preemption): a forced save to the persistent tier, close sinks ----
+  ckpts.save(int(state.step), state, train_iter.get_state(), meta, ckpts.persistent())
+  ckpts.wait()
+  for record in ckpts.finished_saves():
+    writer.write(record.step, record.row())
+  ckpts.close()
   bar.close()
   writer.close()
   last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), **constants})
   return last
 
+
+def _observe(ckpts, writer, pending):
+  """Feeds a finished step's loss, grad norm and skipped count to the adaptive save policy."""
+  step, step_metrics = pending[:2]
+  values = jax.device_get({k: step_metrics[k] for k in ("loss", "grad_norm", "skipped_steps")})
+  _log_decisions(writer, step, ckpts.observe(step, float(values["loss"]), float(values["grad_norm"]),
+                                              float(values["skipped_steps"])))
+
+
+def _log_decisions(writer, step: int, decisions: list[str]):
+  for decision in decisions:
+    writer.write(step, {"event": "checkpoint_policy", "decision": decision})
 
 
 def _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step):
@@ -261,12 +329,13 @@ def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, t
   if len(prompt_ids) + max_new_tokens > cfg.model.max_seq_len:
     raise config_lib.ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                                  f"exceeds model.max_seq_len={cfg.model.max_seq_len}")
-  ckpt = checkpoint.manager(workdir)
-  if ckpt.latest_step() is None:
-    raise config_lib.ConfigError(f"no checkpoint in {workdir}/checkpoints; train first")
+  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
+  if ckpts.latest()[0] is None:
+    raise config_lib.ConfigError(f"no checkpoint in {workdir}; train first")
   cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
   mesh, model, tx, _ = build(cfg, devices or jax.local_devices()[:1])
-  params = restore_state(ckpt, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0].params
+  params = restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0].params
+  ckpts.close()
   gen = jax.jit(generate, static_argnums=(0, 4, 5, 6))
   tokens = gen(model, params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
                temperature, top_k)

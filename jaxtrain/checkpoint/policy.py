@@ -1,0 +1,95 @@
+"""When to save: Orbax save-decision policies built from the config, plus an adaptive one.
+
+The adaptive policy saves more often while training is unstable and less often while it
+converges smoothly. The loop feeds it each step's loss, gradient norm and skipped-step count
+(`observe`); Orbax asks it `should_save`. Every change of interval is returned by `observe`
+so that the loop logs it. All inputs are global values, so every process decides alike.
+"""
+
+import collections
+import dataclasses
+import math
+import statistics
+
+from orbax.checkpoint import checkpoint_managers as policies
+
+
+@dataclasses.dataclass
+class AdaptivePolicy(policies.SaveDecisionPolicy):
+  """Interval between saves: `min_steps` after a warning sign, doubling after each calm save
+  up to `max_steps`.
+
+  Warning signs: a loss above (1 + spike) times the median of the last `window` losses, a
+  gradient norm above 3x its median, a non-finite loss, or a skipped (non-finite) update."""
+  min_steps: int
+  max_steps: int
+  spike: float = 0.1
+  window: int = 32
+
+  def __post_init__(self):
+    self.interval = self.min_steps
+    self._losses = collections.deque(maxlen=self.window)
+    self._grad_norms = collections.deque(maxlen=self.window)
+    self._skipped = 0
+    self._calm_since_save = True
+
+  def observe(self, step: int, loss: float, grad_norm: float, skipped: float) -> str | None:
+    """Takes one step's global values; returns why the interval changed, or None."""
+    reason = None
+    if not math.isfinite(loss):
+      reason = f"non-finite loss at step {step}"
+    elif skipped > self._skipped:
+      reason = f"update skipped at step {step}"
+    elif len(self._losses) >= 8 and loss > (1 + self.spike) * statistics.median(self._losses):
+      reason = f"loss spike at step {step}: {loss:.4g} > {1 + self.spike:g} x median {statistics.median(self._losses):.4g}"
+    elif len(self._grad_norms) >= 8 and grad_norm > 3 * statistics.median(self._grad_norms):
+      reason = f"grad-norm spike at step {step}: {grad_norm:.4g} > 3 x median {statistics.median(self._grad_norms):.4g}"
+    self._skipped = skipped
+    if math.isfinite(loss):
+      self._losses.append(loss)
+    if math.isfinite(grad_norm):
+      self._grad_norms.append(grad_norm)
+    if reason is None:
+      return None
+    self._calm_since_save = False
+    if self.interval == self.min_steps:
+      return None
+    self.interval = self.min_steps
+    return f"interval -> {self.interval} steps ({reason})"
+
+  def saved(self) -> str | None:
+    """Called after each save of this tier: a calm stretch doubles the interval."""
+    calm, self._calm_since_save = self._calm_since_save, True
+    if not calm or self.interval >= self.max_steps:
+      return None
+    self.interval = min(2 * self.interval, self.max_steps)
+    return f"interval -> {self.interval} steps (calm since the last save)"
+
+  def should_save(self, step, previous_steps, *, context) -> bool:
+    if context.is_saving_in_progress:
+      return False
+    last = previous_steps[-1].step if previous_steps else 0
+    return step.step - last >= self.interval
+
+
+def save_policy(every_steps: int, every_seconds: float, adaptive: AdaptivePolicy | None = None):
+  """Any of: every n steps, at least every s seconds (skipped while a save is in flight), adaptive.
+  None when nothing is configured (the tier then saves only when forced)."""
+  chosen = []
+  if every_steps:
+    chosen.append(policies.FixedIntervalPolicy(every_steps))
+  if every_seconds:
+    chosen.append(policies.ContinuousCheckpointingPolicy(minimum_interval_secs=every_seconds))
+  if adaptive is not None:
+    chosen.append(adaptive)
+  if not chosen:
+    return None
+  return chosen[0] if len(chosen) == 1 else policies.AnySavePolicy(chosen)
+
+
+def preservation_policy(keep: int, keep_every_steps: int = 0):
+  """Keep the newest `keep` steps, and every step divisible by `keep_every_steps`."""
+  kept = [policies.LatestN(keep)]
+  if keep_every_steps:
+    kept.append(policies.EveryNSteps(keep_every_steps))
+  return kept[0] if len(kept) == 1 else policies.AnyPreservationPolicy(kept)
