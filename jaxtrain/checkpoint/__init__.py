@@ -13,6 +13,7 @@ asynchronously under its own save policy; restore takes the newest complete step
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import threading
@@ -138,13 +139,22 @@ class Checkpoints:
         r = next((r for r in self._records if r.tier == tier.name and r.finished is None), None)
         if r is not None:
           r.finished = time.perf_counter()
+    if read_only:
+      decide = None
     options = ocp.CheckpointManagerOptions(
         create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
         save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
         preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps),
         async_options=ocp.AsyncOptions(post_finalization_callback=finalized),
         enable_background_delete=False)
-    return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers())
+    quiet = logging.getLogger("absl")
+    level = quiet.level
+    if read_only:  # Orbax warns that a read-only manager will not save, which is the point
+      quiet.setLevel(logging.ERROR)
+    try:
+      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers())
+    finally:
+      quiet.setLevel(level)
 
   # ---- which steps exist ----
 

@@ -1,0 +1,174 @@
+"""Checkpoint tiers, save policies, workdir compatibility and crash safety (kill -9)."""
+
+import glob
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jaxtrain
+from jaxtrain import checkpoint, metrics
+from jaxtrain.checkpoint.policy import AdaptivePolicy
+from jaxtrain.config import ConfigError
+from jaxtrain.train import loop
+from tests.conftest import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def losses(workdir) -> dict[int, list[float]]:
+  """Every logged loss by step (a step re-run after a restart is logged again)."""
+  out = {}
+  for r in metrics.read_metrics(workdir):
+    if "loss" in r:
+      out.setdefault(r["step"], []).append(r["loss"])
+  return out
+
+
+def final_params(workdir):
+  cfg = loop.load_config(workdir)
+  cfg.mesh.update(data=-1, fsdp=1, tensor=1, rules="fsdp")
+  mesh, model, tx, _ = loop.build(cfg)
+  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
+  state = loop.restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0]
+  ckpts.close()
+  return int(state.step), jax.device_get(state.params)
+
+
+def test_tiers_newest_complete_step_wins_and_the_persistent_tier_survives(tmp_path):
+  def cfg(fast):
+    return tiny_config(train=dict(steps=6, eval_every=0),
+                       checkpoint=dict(every_steps=3, keep=3, fast_dir=fast, fast_every_steps=2, fast_keep=2))
+  straight = str(tmp_path / "straight")
+  one = dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
+  jaxtrain.train(cfg(str(tmp_path / "straight_fast")), straight, **one)
+  want = losses(straight)
+  assert sorted(os.listdir(tmp_path / "straight_fast")) == ["2", "4"]  # 6 is the end: persistent only
+  assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["3", "6"]
+  saves = [r for r in metrics.read_metrics(straight) if r.get("event") == "checkpoint_save"]
+  assert [(r["step"], r["tier"]) for r in saves] == [(2, "fast"), (3, "persistent"), (4, "fast"),
+                                                     (6, "persistent")]
+  assert all(r["save_bytes"] > 0 and r["save_blocking_s"] >= 0 and r["save_MBps"] > 0 for r in saves)
+
+  # Both tiers hold steps: the newest complete one (fast, 4) wins over persistent 3.
+  run, fast = str(tmp_path / "run"), str(tmp_path / "run_fast")
+  shutil.copytree(straight, run)
+  shutil.copytree(tmp_path / "straight_fast", fast)
+  shutil.rmtree(os.path.join(run, "checkpoints", "6"))
+  os.remove(os.path.join(run, "metrics.jsonl"))
+  jaxtrain.train(cfg(fast), run, **one)
+  rows = metrics.read_metrics(run)
+  restore = [r for r in rows if r.get("event") == "checkpoint_restore"]
+  assert [(r["step"], r["tier"]) for r in restore] == [(4, "fast")] and restore[0]["restore_MBps"] > 0
+  assert losses(run) == {5: want[5], 6: want[6]}
+
+  # The fast tier is lost (another machine): the persistent tier restores, the run ends the same.
+  shutil.rmtree(fast)
+  shutil.rmtree(os.path.join(run, "checkpoints", "6"))
+  os.remove(os.path.join(run, "metrics.jsonl"))
+  jaxtrain.train(cfg(fast), run, **one)
+  restore = [r for r in metrics.read_metrics(run) if r.get("event") == "checkpoint_restore"]
+  assert [(r["step"], r["tier"]) for r in restore] == [(3, "persistent")]
+  assert losses(run) == {4: want[4], 5: want[5], 6: want[6]}
+  jax.tree.map(np.testing.assert_array_equal, final_params(straight)[1], final_params(run)[1])
+
+
+def test_an_incompatible_workdir_is_refused_unless_starting_over(tmp_path):
+  workdir, one = str(tmp_path), dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
+  jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0)), workdir, **one)
+  with pytest.raises(ConfigError, match=r"another config \(model.d_model: 32 -> 64\).*--start_over"):
+    jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64)), workdir, **one)
+  # longer training, another mesh, other checkpoint settings: the same run, resumed
+  more = tiny_config(train=dict(steps=3, eval_every=0), mesh=dict(data=1, fsdp=2), checkpoint=dict(keep=5))
+  jaxtrain.train(more, workdir, devices=jax.devices()[:2], progress=False, sync_every_step=True)
+  assert sorted(losses(workdir)) == [1, 2, 3]
+  # start over: the old checkpoints and logs are gone, training begins at step 1
+  other = tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64))
+  jaxtrain.train(other, workdir, start_over=True, **one)
+  assert sorted(losses(workdir)) == [1, 2] and os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
+
+
+def test_adaptive_policy_saves_often_while_unstable_and_rarely_while_calm():
+  p = AdaptivePolicy(min_steps=2, max_steps=16, spike=0.1)
+  decisions = []
+  for step in range(1, 20):  # a smoothly falling loss: every save doubles the interval
+    assert p.observe(step, 5.0 - 0.01 * step, 1.0, 0) is None
+    decisions.append(p.saved())
+  assert p.interval == 16 and [d for d in decisions if d][:2] == [
+      "interval -> 4 steps (calm since the last save)", "interval -> 8 steps (calm since the last save)"]
+  assert "loss spike at step 20" in p.observe(20, 9.0, 1.0, 0) and p.interval == 2
+  assert p.saved() is None and p.interval == 2  # not calm since the last save: no growth yet
+  assert p.observe(21, 4.8, 10.0, 0) is None  # a warning, but already at the shortest interval
+  p.interval = 8
+  assert "grad-norm spike" in p.observe(22, 4.8, 50.0, 0) and p.interval == 2
+  p.interval = 8
+  assert "update skipped" in p.observe(23, 4.8, 1.0, 1) and p.interval == 2
+  p.interval = 8
+  assert "non-finite loss" in p.observe(24, float("nan"), 1.0, 1) and p.interval == 2
+
+
+# ---- crash safety: kill -9 at random moments, some while a save is in flight ----
+
+def command(workdir, steps=60):
+  return [sys.executable, "-m", "jaxtrain", "train", f"--config={ROOT}/configs/tiny.py", f"--workdir={workdir}",
+          f"--config.train.steps={steps}", "--config.train.log_every=1", "--config.train.eval_every=0",
+          "--config.train.batch_size=8", "--config.train.seq_len=32", "--config.model.d_model=32",
+          "--config.model.d_ff=64", "--config.optim.warmup_steps=1", f"--config.checkpoint.fast_dir={workdir}/fast",
+          "--config.checkpoint.fast_every_steps=2", "--config.checkpoint.every_steps=5", "--no_sample"]
+
+
+def in_flight(workdir) -> bool:
+  return bool(glob.glob(f"{workdir}/fast/*tmp*") + glob.glob(f"{workdir}/checkpoints/*tmp*"))
+
+
+def kill_randomly(workdir, kills: int, seed: int) -> int:
+  """Starts the run again and again, each time SIGKILLed after a random delay (odd tries: the moment a
+  save is seen in flight); finally lets it finish. Returns how many kills hit a save in flight."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = ROOT
+  rng, mid_save = random.Random(seed), 0
+  for attempt in range(kills):
+    proc = subprocess.Popen(command(workdir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + rng.uniform(4.0, 12.0)
+    while time.time() < deadline and proc.poll() is None:
+      if attempt % 2 and in_flight(workdir) and time.time() > deadline - 6:
+        break
+      time.sleep(0.005)
+    mid_save += in_flight(workdir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  done = subprocess.run(command(workdir), env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return mid_save
+
+
+def crash_test(tmp_path, kills, seed):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = ROOT
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  done = subprocess.run(command(straight), env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  mid_save = kill_randomly(killed, kills, seed)
+  want, got = losses(straight), losses(killed)
+  assert sorted(got) == sorted(want) == list(range(1, 61))
+  for step, values in got.items():  # every logged loss, re-runs after restarts included, is the same
+    assert set(values) == set(want[step]), step
+  step_a, params_a = final_params(str(straight))
+  step_b, params_b = final_params(str(killed))
+  assert step_a == step_b == 60
+  jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
+  assert not in_flight(killed)  # unfinished steps were cleaned up
+  return mid_save
+
+
+@pytest.mark.slow
+def test_kill_9_many_times_some_mid_save_never_loses_the_newest_complete_checkpoint(tmp_path):
+  mid_save = crash_test(tmp_path, kills=12, seed=1)
+  assert mid_save >= 2, f"only {mid_save} kills hit a save in flight"
