@@ -217,11 +217,32 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(f"data.tokenizer='byte' needs model.vocab_size >= 258, got {m.vocab_size}")
   if d.kind == "text" and d.tokenizer == "bpe" and m.vocab_size < d.bpe_vocab_size:
     raise ConfigError(f"model.vocab_size={m.vocab_size} is below data.bpe_vocab_size={d.bpe_vocab_size}")
+  if m.n_experts:
+    _validate_moe(m, shape, cfg.mesh.rules)
   if o.lr <= 0:
     raise ConfigError(f"optim.lr must be positive, got {o.lr}")
   if o.warmup_steps >= t.steps and t.steps > 1:
     raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}")
   return shape
+
+
+def _validate_moe(m, shape, rules):
+  if m.n_experts < 0 or not 1 <= m.top_k <= m.n_experts:
+    raise ConfigError(f"model.top_k={m.top_k} must be in [1, model.n_experts={m.n_experts}]")
+  if not 0 <= m.moe_first_dense < m.n_layers:
+    raise ConfigError(f"model.moe_first_dense={m.moe_first_dense} must be in [0, model.n_layers={m.n_layers})")
+  if m.moe_every < 1 or (m.n_layers - m.moe_first_dense) % m.moe_every:
+    raise ConfigError(f"model.moe_every={m.moe_every} does not divide the {m.n_layers - m.moe_first_dense} "
+                      "layers after model.moe_first_dense")
+  if m.capacity_factor <= 0 or m.bias_update_rate < 0 or m.aux_loss_weight < 0 or m.router_z_weight < 0:
+    raise ConfigError("model.capacity_factor must be positive; bias_update_rate, aux_loss_weight and "
+                      "router_z_weight must be >= 0")
+  if m.d_ff_expert < 0 or m.n_shared_experts < 0:
+    raise ConfigError("model.d_ff_expert and model.n_shared_experts must be >= 0")
+  if rules.endswith("_ep") and m.n_experts % shape["expert"]:
+    raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by the expert axis ({shape['expert']})")
+  if "tp" in rules and (m.d_ff_expert or m.d_ff) % shape["tensor"]:
+    raise ConfigError(f"the expert hidden size is not divisible by the tensor axis ({shape['tensor']})")
 
 
 # Keys a resumed run may change: where and how often it runs, logs and saves, not what it computes.

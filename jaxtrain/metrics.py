@@ -24,14 +24,18 @@ PEAK_FLOPS = {
 }
 
 
-def train_flops_per_token(n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size, seq_len):
+def train_flops_per_token(n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size, seq_len,
+                          mlp_params=None):
   """Matmul FLOPs of forward + backward per token: 6 * (matmul params) + attention.
+
+  `mlp_params`: the feed-forward matmul parameters one token goes through, all layers (MoE: the
+  active experts, shared experts and router); default n_layers * 3 * d_model * d_ff (SwiGLU).
 
   Attention counts QK^T and PV over the full L x L score matrix (as computed, no causal halving):
   per layer forward 2 * 2 * L * H * K per token (Chowdhery et al., 2022, appendix B)."""
   attn_proj = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
-  mlp = 3 * d_model * d_ff
-  matmul_params = n_layers * (attn_proj + mlp) + d_model * vocab_size  # output projection
+  mlp_params = n_layers * 3 * d_model * d_ff if mlp_params is None else mlp_params
+  matmul_params = n_layers * attn_proj + mlp_params + d_model * vocab_size  # output projection
   attention = n_layers * 4 * seq_len * n_heads * head_dim
   return 6 * matmul_params + 3 * attention
 

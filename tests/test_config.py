@@ -16,7 +16,8 @@ from jaxtrain.train import loop, state as state_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-EXPECTED = {"gpt2_small": 124e6, "llama_1b": 1.24e9, "llama_8b": 8.03e9}
+EXPECTED = {"gpt2_small": 124e6, "llama_1b": 1.24e9, "llama_8b": 8.03e9, "mixtral_8x7b": 46.7e9}
+EXPECTED_ACTIVE = {"mixtral_8x7b": 12.9e9}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-3])
@@ -31,11 +32,18 @@ def test_config_builds_and_shards_abstractly(path):
   name = os.path.basename(path)[:-3]
   if name in EXPECTED:
     assert abs(n - EXPECTED[name]) / EXPECTED[name] < 0.01, n
+  active = param_count(model.cfg, active=True)
+  if name in EXPECTED_ACTIVE:
+    assert abs(active - EXPECTED_ACTIVE[name]) / EXPECTED_ACTIVE[name] < 0.01, active
+  print(f"{name}: {n / 1e6:,.1f}M parameters, {active / 1e6:,.1f}M active")
   # every parameter leaf has a sharding, and large ones are split when the preset shards params
   leaves = jax.tree.leaves(shardings.params)
   assert len(leaves) == len(jax.tree.leaves(abstract.params))
   if cfg.mesh.rules != "dp" and mesh.shape["fsdp"] > 1:
-    assert not shardings.params["layers"]["mlp"]["up"].is_fully_replicated
+    layer = shardings.params["layers"]
+    assert not (layer["mlp"] if "mlp" in layer else layer["moe"])["up"].is_fully_replicated
+  if cfg.model.n_experts and cfg.mesh.rules.endswith("_ep") and mesh.shape["expert"] > 1:
+    assert shardings.params["layers"]["moe"]["up"].spec[1] == "expert"  # [layers, expert, embed, mlp]
 
 
 BAD = {

@@ -14,11 +14,12 @@ def init_cache(model: Transformer, batch_size: int):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def decode_logits(model: Transformer, params, cache, tokens_BL, start):
-  """Logits of `tokens_BL` placed at positions start.., attending to the cache; returns new cache."""
+def decode_logits(model: Transformer, params, cache, tokens_BL, start, extra=None):
+  """Logits of `tokens_BL` placed at positions start.., attending to the cache; returns new cache.
+  `extra`: the model's non-trainable collections (e.g. MoE expert biases), if it has any."""
   decoder = model.clone(decode=True)
   positions_BL = start + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-  logits_BLV, updated = decoder.apply({"params": params, "cache": cache}, tokens_BL, positions_BL,
+  logits_BLV, updated = decoder.apply({"params": params, "cache": cache, **(extra or {})}, tokens_BL, positions_BL,
                                       mutable=["cache"])
   return logits_BLV, updated["cache"]
 
@@ -34,15 +35,16 @@ def sample_token(logits_BV, rng, temperature: float, top_k: int):
   return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-def generate(model: Transformer, params, prompt_BP, rng, max_new_tokens: int, temperature: float, top_k: int):
+def generate(model: Transformer, params, prompt_BP, rng, max_new_tokens: int, temperature: float, top_k: int,
+             extra=None):
   """Prompt [B, P] -> new tokens [B, max_new_tokens]. Pure; jit it with the sampling args static."""
   b, p = prompt_BP.shape
-  logits_BPV, cache = decode_logits(model, params, init_cache(model, b), prompt_BP, 0)
+  logits_BPV, cache = decode_logits(model, params, init_cache(model, b), prompt_BP, 0, extra)
   first_B = sample_token(logits_BPV[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
 
   def step(carry, i):
     token_B, cache = carry
-    logits_B1V, cache = decode_logits(model, params, cache, token_B[:, None], p + i)
+    logits_B1V, cache = decode_logits(model, params, cache, token_B[:, None], p + i, extra)
     nxt_B = sample_token(logits_B1V[:, 0], jax.random.fold_in(rng, i + 1), temperature, top_k)
     return (nxt_B, cache), token_B
 

@@ -18,7 +18,7 @@ import numpy as np
 import tqdm
 
 from jaxtrain import checkpoint, config as config_lib, data, metrics as metrics_lib, optim, parallel
-from jaxtrain.model import ModelConfig, Transformer, generate
+from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, generate, param_count
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.step import eval_step, train_step
@@ -62,9 +62,11 @@ def peak_flops_total(cfg) -> tuple[float, str]:
 
 
 def flops_per_token(cfg) -> float:
+  """Training FLOPs per token, counting only the parameters a token uses (MoE: active experts)."""
   m = cfg.model
   return metrics_lib.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff,
-                                           m.vocab_size, cfg.train.seq_len)
+                                           m.vocab_size, cfg.train.seq_len,
+                                           mlp_params=active_mlp_params(ModelConfig.from_config(m)))
 
 
 def build(cfg, devices=None):
@@ -82,16 +84,17 @@ def compile_steps(cfg, mesh, model, tx, schedule, shardings):
                            microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss)
   train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
-  eval_fn = jax.jit(functools.partial(eval_step, model=model), in_shardings=(shardings.params, batch_sh))
+  eval_fn = jax.jit(lambda params, extra, batch: eval_step(params, batch, model=model, extra=extra),
+                    in_shardings=(shardings.params, shardings.extra, batch_sh))
   return train_fn, eval_fn
 
 
-def evaluate(eval_fn, params, feed: Feed, batches, n: int) -> dict:
+def evaluate(eval_fn, state, feed: Feed, batches, n: int) -> dict:
   """Token-mean loss over the first n batches of a fresh eval iterator (a fixed held-out set)."""
   sums, has_entropy = [], False
   for _, local in zip(range(n), batches):
     has_entropy = "entropy" in local
-    sums.append(jax.device_get(eval_fn(params, feed.put(local))))
+    sums.append(jax.device_get(eval_fn(state.params, state.extra, feed.put(local))))
   tokens = max(sum(float(s["tokens"]) for s in sums), 1.0)
   out = {"eval_loss": sum(float(s["ce"]) for s in sums) / tokens}
   if has_entropy:  # synthetic data: the exact entropy of these very tokens
@@ -213,6 +216,9 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
     raise config_lib.ConfigError(str(e)) from e
   floor = getattr(getattr(train_iter, "source", None), "expected_entropy_floor", None)
   constants = {"entropy_floor": floor()} if floor else {}
+  sizes = {"params": param_count(model.cfg), "active_params": param_count(model.cfg, active=True)}
+  if progress and jax.process_index() == 0:
+    print(f"model: {sizes['params']:,} parameters, {sizes['active_params']:,} active per token", flush=True)
   write_config(cfg, workdir)
 
   # ---- state: restored from the newest complete checkpoint of any tier, or born sharded ----
@@ -258,7 +264,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
       # The first step is always logged alone: its time includes compilation, later windows' do not.
       pending = (step + 1, step_metrics, is_last or step == start or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
-        result = evaluate(eval_fn, state.params, feed, eval_iter(), t.eval_batches)
+        result = evaluate(eval_fn, state, feed, eval_iter(), t.eval_batches)
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if not bar.disable:
           bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
@@ -282,7 +288,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   ckpts.close()
   bar.close()
   writer.close()
-  last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), **constants})
+  last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), **sizes, **constants})
   return last
 
 
@@ -304,7 +310,8 @@ def _log_step(pending, writer, bar, constants, flops, peak, window_start, window
   step, step_metrics, due, extra = pending
   if not due:
     return {}
-  values = {**{k: float(v) for k, v in jax.device_get(step_metrics).items()}, **extra}
+  values = {**{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+               for k, v in jax.device_get(step_metrics).items()}, **extra}
   step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
   tokens_per_sec = tokens_per_step / step_time
   row = {**values, "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / peak,
@@ -334,11 +341,11 @@ def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, t
     raise config_lib.ConfigError(f"no checkpoint in {workdir}; train first")
   cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
   mesh, model, tx, _ = build(cfg, devices or jax.local_devices()[:1])
-  params = restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0].params
+  state = restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   gen = jax.jit(generate, static_argnums=(0, 4, 5, 6))
-  tokens = gen(model, params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
-               temperature, top_k)
+  tokens = gen(model, state.params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
+               temperature, top_k, state.extra)
   out = np.asarray(tokens[0])
   if tokenizer.eos in out:  # stop at the end of the document
     out = out[: list(out).index(tokenizer.eos) + 1]
