@@ -22,12 +22,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxtrain import config as config_lib, data, metrics, parallel  # noqa: E402
+from jaxtrain.model import param_count  # noqa: E402
 from jaxtrain.train import loop, state as state_lib  # noqa: E402
 
 
 def time_config(name: str, steps: int) -> dict:
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
-  cfg.mesh.update(data=1)
+  return time_cfg(name, config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py")), steps)
+
+
+def time_cfg(name: str, cfg, steps: int) -> dict:
+  """Median step time of `cfg`'s jitted train step on one device, and what follows from it."""
+  cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
   devices = jax.devices()[:1]
   mesh, model, tx, schedule = loop.build(cfg, devices)
   state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
@@ -46,7 +51,7 @@ def time_config(name: str, steps: int) -> dict:
   step_time = float(np.median(times[2:]))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  return {"config": name, "params": n_params, "tokens_per_step": tokens, "step_time_s": step_time,
+  return {"config": name, "params": n_params, "active_params": param_count(model.cfg, active=True), "tokens_per_step": tokens, "step_time_s": step_time,
           "tokens_per_sec": tokens / step_time, "flops_per_step": loop.flops_per_token(cfg) * tokens}
 
 

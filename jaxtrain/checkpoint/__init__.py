@@ -67,8 +67,8 @@ class DataRestore(ocp.args.CheckpointArgs):
   pass
 
 
-def _handlers():
-  return {"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler(),
+def _handlers(compress: bool = False):
+  return {"state": ocp.PyTreeCheckpointHandler(use_compression=compress), "data": DataStateHandler(),
           "meta": ocp.JsonCheckpointHandler()}
 
 
@@ -119,6 +119,7 @@ class Checkpoints:
   def __init__(self, cfg, workdir: str, *, read_only: bool = False):
     k = cfg.checkpoint
     dirs = tier_dirs(cfg, workdir)
+    self._compress = bool(k.get("compress", False))
     self.tiers: list[Tier] = []
     for name, directory in dirs.items():
       fast = name == "fast"
@@ -152,7 +153,7 @@ class Checkpoints:
     if read_only:  # Orbax warns that a read-only manager will not save, which is the point
       quiet.setLevel(logging.ERROR)
     try:
-      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers())
+      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers(self._compress))
     finally:
       quiet.setLevel(level)
 
@@ -192,7 +193,7 @@ class Checkpoints:
     for tier in self.due(step) if tiers is None else tiers:
       if tier.manager.latest_step() == step:
         continue
-      args = ocp.args.Composite(state=ocp.args.StandardSave(tree), data=DataSave(data_state),
+      args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), data=DataSave(data_state),
                                 meta=ocp.args.JsonSave({"format": FORMAT, **meta}))
       start = time.perf_counter()
       tier.manager.wait_until_finished()  # Orbax would wait for this tier's previous save anyway
@@ -234,8 +235,11 @@ class Checkpoints:
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
                           shardings)
     start = time.perf_counter()
+    target = flax.serialization.to_state_dict(target)
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                               dtype=x.dtype), target)
     restored = tier.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(flax.serialization.to_state_dict(target)), data=DataRestore(),
+        state=ocp.args.PyTreeRestore(target, restore_args=restore_args), data=DataRestore(),
         meta=ocp.args.JsonRestore()))
     state = flax.serialization.from_state_dict(abstract_state, restored.state)
     jax.block_until_ready(state)
