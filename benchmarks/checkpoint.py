@@ -5,8 +5,9 @@
 For the config's full train state (params + AdamW moments): the median train-step time; the loop's
 blocking time per asynchronous save (Checkpoints.save, the loop's own call, after the step finished);
 the save's bytes and end-to-end write throughput (until Orbax finalized the step); restore time and
-throughput (Checkpoints.restore into the same shardings); and, in the same directory, the disk's
-sequential write speed (the same number of bytes in 64 MiB chunks, then fsync) and read speed.
+throughput (Checkpoints.restore into the same shardings, from the disk: the files are fsync'd and
+dropped from the page cache first); and, in the same directory and the same repeat, the disk's
+sequential write speed (the same number of bytes in 64 MiB chunks, then fsync) and cold read speed.
 """
 
 import argparse
@@ -30,24 +31,43 @@ from jaxtrain.train import loop, state as state_lib  # noqa: E402
 CHUNK = 64 << 20
 
 
-def disk_speed(directory: str, nbytes: int) -> tuple[float, float]:
-  """Sequential write (fsync'd) and read bytes/s of one file of `nbytes` in `directory`."""
+def evict(path: str) -> None:
+  """Writes `path` (a file or every file below it) to disk and drops it from the page cache, so that
+  the next read comes from the disk (posix_fadvise DONTNEED on clean pages needs no privileges)."""
+  files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+  for name in files:
+    fd = os.open(name, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
+def disk_write(directory: str, nbytes: int) -> tuple[float, str]:
+  """Sequential write of `nbytes` in 64 MiB chunks, then fsync: bytes/s, and the file."""
   path = os.path.join(directory, "disk_probe.bin")
   block = np.random.default_rng(0).integers(0, 255, CHUNK, dtype=np.uint8).tobytes()
+  n = max(1, nbytes // CHUNK)
   start = time.perf_counter()
   with open(path, "wb") as f:
-    for _ in range(max(1, nbytes // CHUNK)):
+    for _ in range(n):
       f.write(block)
     f.flush()
     os.fsync(f.fileno())
-  write = max(1, nbytes // CHUNK) * CHUNK / (time.perf_counter() - start)
+  return n * CHUNK / (time.perf_counter() - start), path
+
+
+def disk_read(path: str) -> float:
+  """Sequential read of a file evicted from the page cache first: bytes/s."""
+  evict(path)
   start = time.perf_counter()
   with open(path, "rb") as f:
     while f.read(CHUNK):
       pass
-  read = max(1, nbytes // CHUNK) * CHUNK / (time.perf_counter() - start)
+  speed = os.path.getsize(path) / (time.perf_counter() - start)
   os.remove(path)
-  return write, read
+  return speed
 
 
 def main():
@@ -56,25 +76,28 @@ def main():
   parser.add_argument("--saves", type=int, default=3)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
+  parser.add_argument("--no_ocdbt", action="store_true", help="checkpoint.ocdbt=False (a zarr3 dir per array)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
 
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{args.config}.py"))
   cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
   root = tempfile.mkdtemp(dir=args.dir or None)
-  cfg.checkpoint.update(dir=os.path.join(root, "checkpoints"), keep=args.saves + 1)
+  cfg.checkpoint.update(dir=os.path.join(root, "checkpoints"), keep=args.saves + 1, ocdbt=not args.no_ocdbt)
   devices = jax.devices()[:1]
   mesh, model, tx, schedule = loop.build(cfg, devices)
   state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
   batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
                          parallel.batch_sharding(mesh))
   ckpts = checkpoint.Checkpoints(cfg, root)
-  blocking, total, step_times = [], [], []
+  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
+  rows = []  # per repeat: step, blocking, save end-to-end, disk write, restore, disk read (seconds, bytes/s)
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
     train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
     state, m = train_fn(state, batches(0))  # compile
     jax.block_until_ready(m)
     for i in range(args.saves):
+      step_times = []
       for j in range(args.steps):
         start = time.perf_counter()
         state, m = train_fn(state, batches(1 + i * args.steps + j))
@@ -84,35 +107,39 @@ def main():
                  ckpts.persistent())
       ckpts.wait()
       record = ckpts.finished_saves()[0]
-      blocking.append(record.blocking_s)
-      total.append(record.finished - record.started)
-  nbytes = record.bytes
-  restore_times = []
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
-  for _ in range(args.saves):
-    restored, _, _, row = ckpts.restore(abstract, shardings)
-    restore_times.append(row["restore_s"])
+      nbytes = record.bytes
+      write_speed, probe = disk_write(root, nbytes)
+      read_speed = disk_read(probe)
+      evict(os.path.join(root, "checkpoints"))  # the restore reads from the disk too
+      restored, _, _, row = ckpts.restore(abstract, shardings)
+      rows.append((float(np.median(step_times)), record.blocking_s, record.finished - record.started, write_speed,
+                   row["restore_s"], read_speed))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
   ckpts.close()
-  write_speed, read_speed = disk_speed(root, nbytes)
   shutil.rmtree(root)
 
-  step, block, save, load = (float(np.median(x)) for x in (step_times, blocking, total, restore_times))
+  r = np.asarray(rows)
+  med = lambda x: float(np.median(x))  # noqa: E731
+  step, block, save, write_speed, load, read_speed = (med(r[:, i]) for i in range(6))
+  save_ratio, load_ratio = med(nbytes / r[:, 2] / r[:, 3]), med(nbytes / r[:, 4] / r[:, 5])
   lines = [
       f"### Checkpoint cost vs train step and disk ({time.strftime('%Y-%m-%d')})",
       "",
       *machine_lines(),
       f"- command: `python benchmarks/checkpoint.py --config {args.config} --saves {args.saves}"
-      f"{' --dir ' + args.dir if args.dir else ''}`",
-      f"- state: {args.config}, params + AdamW moments, {nbytes / 1e6:.0f} MB float32, one device; "
-      f"medians of {args.saves} saves/restores and {len(step_times)} steps",
+      f"{' --dir ' + args.dir if args.dir else ''}{' --no_ocdbt' if args.no_ocdbt else ''}`",
+      f"- state: {args.config}, params + AdamW moments, {nbytes / 1e6:.0f} MB float32, one device, "
+      f"{'zarr3 per array' if args.no_ocdbt else 'OCDBT'}, uncompressed; {args.saves} repeats of: "
+      f"{args.steps} steps, an async save (the loop's call), a {nbytes / 1e6:.0f} MB fsync'd write probe, a "
+      "cold read probe, a cold restore (files fsync'd and evicted from the page cache first); medians, "
+      "ratios per repeat",
       "",
-      "| train step | save blocking | blocking / step | save end-to-end | save MB/s | disk write MB/s (fsync) "
-      "| save / disk | restore | restore MB/s | disk read MB/s | restore / disk |",
+      "| train step | save blocking | blocking / step | save end-to-end | save MB/s | disk write MB/s "
+      "| save / disk | restore (cold) | restore MB/s | disk read MB/s (cold) | restore / disk |",
       "|---|---|---|---|---|---|---|---|---|---|---|",
       f"| {step * 1e3:.0f} ms | {block * 1e3:.0f} ms | {block / step:.1%} | {save * 1e3:.0f} ms "
-      f"| {nbytes / save / 1e6:,.0f} | {write_speed / 1e6:,.0f} | {nbytes / save / write_speed:.0%} "
-      f"| {load * 1e3:.0f} ms | {nbytes / load / 1e6:,.0f} | {read_speed / 1e6:,.0f} | {nbytes / load / read_speed:.0%} |",
+      f"| {nbytes / save / 1e6:,.0f} | {write_speed / 1e6:,.0f} | {save_ratio:.0%} "
+      f"| {load * 1e3:.0f} ms | {nbytes / load / 1e6:,.0f} | {read_speed / 1e6:,.0f} | {load_ratio:.0%} |",
   ]
   publish(lines, args.record)
 

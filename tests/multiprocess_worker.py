@@ -60,7 +60,7 @@ def main(args):
   assert jax.local_device_count() == args.devices_per_process, jax.local_devices()
   assert jax.device_count() == args.num_processes * args.devices_per_process, jax.devices()
 
-  cfg = tiny_config(train=TRAIN, mesh=MESH)
+  cfg = tiny_config(train={**TRAIN, "steps": int(os.environ.get("JT_STEPS", TRAIN["steps"]))}, mesh=MESH)
   t = cfg.train
   # The rows of the global batch this process builds, as train() builds them (same mesh, same sharding).
   mesh = parallel.make_mesh(cfg)

@@ -8,6 +8,7 @@ distributed client are fixed at jax start-up, so they cannot live in the pytest 
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -135,3 +136,27 @@ def test_two_processes_train_like_one(tmp_path):
   # Process 1 computed the same (replicated) final metrics as process 0.
   for key in ("loss", "eval_loss"):
     assert_close({0: p1["final"][key]}, {0: p0["final"][key]}, f"process 1 final {key}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
+  os.environ["JT_STEPS"] = "100000"
+  try:
+    two = Run(tmp_path, num_processes=2, devices_per_process=4)
+  finally:
+    del os.environ["JT_STEPS"]
+  path = os.path.join(two.workdir, "metrics.jsonl")
+  deadline = time.monotonic() + TIMEOUT_S
+  while time.monotonic() < deadline and not two.failed() and not (
+      os.path.exists(path) and len(metrics.read_metrics(two.workdir)) >= 3):
+    time.sleep(0.5)
+  two.procs[1].send_signal(signal.SIGTERM)  # only process 1 is told
+  wait_all([two], TIMEOUT_S)
+  finals = []
+  for i in range(2):
+    with open(os.path.join(two.workdir, f"process_{i}.json")) as f:
+      finals.append(json.load(f)["final"])
+  assert [f["preempted"] for f in finals] == ["SIGTERM", "SIGTERM"], finals
+  assert finals[0]["step"] == finals[1]["step"] < 100000
+  steps = [int(d) for d in os.listdir(os.path.join(two.workdir, "checkpoints")) if d.isdigit()]
+  assert max(steps) == finals[0]["step"]

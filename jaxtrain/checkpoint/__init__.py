@@ -67,8 +67,8 @@ class DataRestore(ocp.args.CheckpointArgs):
   pass
 
 
-def _handlers(compress: bool = False):
-  return {"state": ocp.PyTreeCheckpointHandler(use_compression=compress), "data": DataStateHandler(),
+def _handlers(compress: bool = False, ocdbt: bool = True):
+  return {"state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_ocdbt=ocdbt), "data": DataStateHandler(),
           "meta": ocp.JsonCheckpointHandler()}
 
 
@@ -119,7 +119,7 @@ class Checkpoints:
   def __init__(self, cfg, workdir: str, *, read_only: bool = False):
     k = cfg.checkpoint
     dirs = tier_dirs(cfg, workdir)
-    self._compress = bool(k.get("compress", False))
+    self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
     self.tiers: list[Tier] = []
     for name, directory in dirs.items():
       fast = name == "fast"
@@ -153,7 +153,7 @@ class Checkpoints:
     if read_only:  # Orbax warns that a read-only manager will not save, which is the point
       quiet.setLevel(logging.ERROR)
     try:
-      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers(self._compress))
+      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers(self._compress, self._ocdbt))
     finally:
       quiet.setLevel(level)
 

@@ -268,7 +268,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if not bar.disable:
           bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
-      if preemption.requested:
+      if preemption.check(step + 1):
         pending = (*pending[:2], True, pending[3])
         last["preempted"] = preemption.requested
         break

@@ -1,4 +1,10 @@
-"""SIGTERM/SIGINT (preemption, Ctrl-C) become a request to save and stop at the next step boundary."""
+"""SIGTERM/SIGINT (preemption, Ctrl-C) become a request to save and stop at the next step boundary.
+
+One process: a Python signal handler sets the flag. Several processes (jax.distributed): every
+process must stop at the same step, or the save's collectives hang. jax's preemption sync manager
+(started by jax.distributed.initialize) receives SIGTERM on whichever process gets it, spreads the
+notice through the coordination service and names one step at which `reached_preemption_sync_point`
+is true on all processes; `check(step)` asks it every step (no device collective, no host sync)."""
 
 import signal
 import threading
@@ -16,6 +22,16 @@ class Preemption:
   def __init__(self):
     self.requested = None  # the signal's name once one arrived
     self._previous = {}
+    import jax
+    self._multiprocess = jax.process_count() > 1
+
+  def check(self, step: int) -> bool:
+    """True at the step where this run must save and stop (the same step on every process)."""
+    if self._multiprocess and self.requested is None:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.requested = "SIGTERM"
+    return self.requested is not None
 
   def _handle(self, signum, frame):
     del frame
@@ -28,7 +44,8 @@ class Preemption:
     self._previous = {}
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    # several processes: jax's own SIGTERM notifier must keep the signal (a Python handler would take it)
+    if threading.current_thread() is threading.main_thread() and not self._multiprocess:
       self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
     return self
 
