@@ -24,11 +24,11 @@ sys.path.insert(0, ROOT)
 
 VARIANTS = [  # label, config arg, model overrides
     ("dense (tiny, d_ff 384)", None, dict(n_experts=0)),
-    ("coarse: 8 experts top-2 (moe_tiny)", None, {}),
-    ("fine: 32 experts top-8 (moe_tiny:fine)", "fine", {}),
-    ("fine: 64 experts top-8, d_ff 48", "fine", dict(n_experts=64)),
-    ("coarse, capacity 1.25", None, dict(dispatch="capacity")),
-    ("fine 32/8, capacity 1.25", "fine", dict(dispatch="capacity")),
+    ("coarse: 8 experts x 192 top-2, capacity 1.25", None, dict(capacity_factor=1.25)),
+    ("fine: 32 experts x 48 top-8, capacity 1.25", "fine", dict(capacity_factor=1.25)),
+    ("fine: 64 experts x 48 top-8, capacity 1.25", "fine", dict(n_experts=64, capacity_factor=1.25)),
+    ("coarse, dropless", None, dict(dispatch="dropless")),
+    ("fine 32/8, dropless", "fine", dict(dispatch="dropless")),
 ]
 
 
@@ -68,33 +68,58 @@ def hlo_collectives() -> list[str]:
   return lines
 
 
+# A size where an accelerator is busy (--scale): d 1024, 4 layers, 16 x 1024 tokens, bf16; dense d_ff 4096,
+# coarse 8 experts x 2048 top-2, fine 32 x 512 top-8 and 64 x 512 top-8: the same active size.
+SCALED = dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, n_layers=4, d_ff=4096, max_seq_len=1024,
+              compute_dtype="bfloat16", vocab_size=32768, capacity_factor=1.25)
+SCALED_VARIANTS = [
+    ("dense, d_ff 4096", dict(n_experts=0)),
+    ("coarse: 8 experts x 2048 top-2, capacity 1.25", dict(n_experts=8, top_k=2, d_ff_expert=2048)),
+    ("fine: 32 experts x 512 top-8, capacity 1.25", dict(n_experts=32, top_k=8, d_ff_expert=512)),
+    ("fine: 64 experts x 512 top-8, capacity 1.25", dict(n_experts=64, top_k=8, d_ff_expert=512)),
+    ("coarse, dropless", dict(n_experts=8, top_k=2, d_ff_expert=2048, dispatch="dropless")),
+    ("fine 32/8, dropless", dict(n_experts=32, top_k=8, d_ff_expert=512, dispatch="dropless")),
+]
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--record", action="store_true")
   parser.add_argument("--no_hlo", action="store_true")
+  parser.add_argument("--scale", action="store_true", help="d 1024 / 16 x 1024 tokens / bf16 (accelerators)")
   parser.add_argument("--hlo_only", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.hlo_only:
     print("\n".join(hlo_collectives()))
     return
 
+  import jax
   from benchmarks.train_step import machine_lines, publish, time_cfg
   from jaxtrain import config as config_lib, metrics
   peak_before = metrics.measure_matmul_peak()
   results = []
-  for label, arg, overrides in VARIANTS:
+  variants = [(label, None, {**SCALED, **o}) for label, o in SCALED_VARIANTS] if args.scale else VARIANTS
+  for label, arg, overrides in variants:
     cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py") + (f":{arg}" if arg else ""))
     cfg.model.update(overrides)
+    if args.scale:
+      cfg.train.update(batch_size=16, seq_len=1024)
+      cfg.data.update(symbols=2000, max_symbols=200, stop_prob=1 / 64)
     results.append((label, time_cfg(label, cfg, args.steps)))
   peak = max(peak_before, metrics.measure_matmul_peak())
+  if jax.default_backend() != "cpu":
+    peak = metrics.peak_flops("bfloat16")[0]
   coarse = results[1][1]
   lines = [
       "### MoE: dense vs coarse vs fine-grained experts at equal active size", "",
       *machine_lines(),
-      f"- command: `python benchmarks/moe.py --steps {args.steps}`; medians of {args.steps} steps, one device, "
-      f"batch 32 x 128 tokens; MFU on active parameters vs the f32 matmul peak {peak / 1e9:.1f} GFLOP/s "
-      "measured in the same run", "",
+      f"- command: `python benchmarks/moe.py --steps {args.steps}{' --scale' if args.scale else ''}`; medians of "
+      f"{args.steps} steps, one device, " + ("batch 16 x 1024 tokens, d 1024, 4 layers, bf16" if args.scale else
+                                           "batch 32 x 128 tokens (moe_tiny)") +
+      f"; MFU on active parameters vs " + (f"the f32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in the same run"
+                                           if jax.default_backend() == "cpu" else
+                                           f"the datasheet bf16 peak {peak / 1e12:.0f} TFLOP/s"), "",
       "| variant | params | active | step | tokens/s | active MFU | time per active FLOP vs coarse |",
       "|---|---|---|---|---|---|---|",
   ]

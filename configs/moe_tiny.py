@@ -1,5 +1,9 @@
-"""A small Mixture-of-Experts decoder (8 experts, top-2, dropless) that learns the synthetic copy
-language on 2 CPU cores; the dense `tiny` with d_ff = 2 x 192 has the same active parameters.
+"""A small Mixture-of-Experts decoder (8 experts, top-2) that learns the synthetic copy language on
+2 CPU cores; the dense `tiny` with d_ff = 2 x 192 has the same active parameters.
+
+Capacity dispatch (factor 1.5): XLA:CPU runs `ragged_dot` (the dropless grouped matmul) as a dense
+masked matmul over every expert, several times slower (benchmarks/RESULTS.md); dropless is
+`--config.model.dispatch=dropless`.
 
 `moe_tiny:fine` is the fine-grained variant at the same active size: 32 experts of a quarter the
 width, top-8 (benchmarks/moe.py compares the three)."""
@@ -11,7 +15,8 @@ def get_config(arg=None):
   c = default_config()
   c.model.update(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384,
                  max_seq_len=256, scan_layers=False,
-                 n_experts=8, top_k=2, d_ff_expert=192, dispatch="dropless", aux_loss_weight=0.01,
+                 n_experts=8, top_k=2, d_ff_expert=192, dispatch="capacity", capacity_factor=1.5,
+                 aux_loss_weight=0.01,
                  router_z_weight=0.001)
   if arg == "fine":
     c.model.update(n_experts=32, top_k=8, d_ff_expert=48)

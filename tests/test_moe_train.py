@@ -38,6 +38,7 @@ def loss_and_grads(mesh_sizes, rules, **model):
   return float(loss), jax.device_get(grads), jax.device_get(moe), state.params["layers"]["moe"]["up"].sharding.spec
 
 
+@pytest.mark.slow  # ~80 s each on 2 cores; tests/test_moe.py checks the layer on the same meshes by default
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 def test_expert_parallel_model_equals_unsharded(dispatch):
   ref_loss, ref_grads, ref_moe, _ = loss_and_grads(dict(data=1), "fsdp_ep", dispatch=dispatch)
@@ -103,9 +104,9 @@ def test_balancing_loss_and_expert_bias_each_reduce_imbalance():
 def test_moe_run_logs_router_metrics_and_resumes_bitwise_with_its_expert_bias(tmp_path):
   cfg = tiny_config(model={**MOE, "bias_update_rate": 1e-2, "dispatch": "capacity", "capacity_factor": 1.0},
                     train=dict(steps=4, eval_every=2), checkpoint=dict(every_steps=2),
-                    mesh=dict(data=2, expert=4, rules="fsdp_ep"))
+                    mesh=dict(data=1, expert=2, rules="fsdp_ep"))
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  run = dict(progress=False, sync_every_step=True)
+  run = dict(progress=False, sync_every_step=True, devices=jax.devices()[:2])
   final = jaxtrain.train(cfg, straight, **run)
   rows = [r for r in metrics.read_metrics(straight) if "loss" in r]
   for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_router_entropy", "moe_imbalance"):
