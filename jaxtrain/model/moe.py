@@ -10,7 +10,10 @@ the active rules give logical `batch` (tensor and any other axis stay automatic)
 gather and grouped matmul works on one device's tokens. Manual over the expert axis alone was measured
 worse: XLA's SPMD partitioner replicated top_k and every all-to-all operand over the data axes
 (all-gathers of all token buffers), so each data shard dispatched every shard's tokens. The weights
-enter with only their expert axis manual: their fsdp gather happens at the boundary as for any layer.
+enter with only their expert axis manual: each device gathers its E/X experts over fsdp at the boundary
+(as GSPMD does for a dense layer), and their gradients are summed over the data axes inside, in param
+dtype. A batch that the batch axes do not divide (decoding one sequence) runs without shard_map and
+lets GSPMD place everything.
 Expert parallelism (logical `expert` on a mesh axis of size X > 1, which must also split the batch)
 exchanges tokens with all_to_all over that axis:
   capacity: the [E, C, D] buffers of every row; each shard gets [X, E/X, C, D] per row.
@@ -20,11 +23,13 @@ exchanges tokens with all_to_all over that axis:
     local tokens (X / k times the k * S assignment rows; it equals an all-gather of the tokens), because
     XLA:CPU does not implement ragged-all-to-all ("HLO opcode `ragged-all-to-all` is not supported by
     XLA:CPU ThunkEmitter", jax 0.10.2).
-XLA:CPU lowers ragged_dot to a dense masked matmul over all groups (E x the FLOPs of the real rows), so
-on CPU capacity dispatch is the fast one; on GPU/TPU ragged_dot lowers to a grouped matmul.
+Speed: XLA:CPU lowers ragged_dot to a dense masked matmul over all groups (E x the FLOPs of the real
+rows), and on an H200 (jax 0.11.2) it ran at 78 TFLOP/s with 8 groups and 9 with 64, where a batched
+einsum of the same shapes ran at ~400. So capacity dispatch is the fast one on CPU and GPU (TPU lowers
+ragged_dot natively); a grouped-matmul kernel would plug in at `_grouped_swiglu`.
 
 Extra shape letters here: k routing choices, A = k * S assignments of S tokens, M grouped-matmul rows,
-R rows (sequences), X expert shards.
+R rows (sequences), Q = E * C buffer slots of a row, X expert shards.
 """
 
 import dataclasses
@@ -64,7 +69,7 @@ def route(logits_SE, bias_E, cfg):
 
 
 def _stat_sums(logits_SE, experts_Sk, probs_SE, valid_S, n_experts):
-  """Sums over this shard's valid tokens; psum them across expert shards, then `_finish_stats`."""
+  """Sums over this shard's valid tokens; psum them across shards, then `_finish_stats`."""
   lead = tuple(range(valid_S.ndim))
   total = lambda t: jnp.sum(jnp.where(valid_S.reshape(valid_S.shape + (1,) * (t.ndim - valid_S.ndim)), t, 0),
                             axis=lead)
@@ -149,14 +154,14 @@ def _capacity(x_RLD, experts_RLk, gates_RLk, valid_RL, weights, cfg, exchange):
   slot_RA, keep_RA, c = capacity_slots(experts_RLk, valid_RL, e, cfg.capacity_factor)
   token_RA = jnp.broadcast_to(jnp.arange(slot_RA.shape[1], dtype=jnp.int32) % l, slot_RA.shape)
   fill = jax.vmap(lambda slot, value: jnp.zeros((e * c + 1,), value.dtype).at[slot].set(value)[:-1])
-  token_RC, filled_RC = fill(slot_RA, token_RA), fill(slot_RA, keep_RA)  # C here: all E * C slots
-  buf_RCD = jnp.where(filled_RC[..., None], jnp.take_along_axis(x_RLD, token_RC[..., None], axis=1), 0)
+  token_RQ, filled_RQ = fill(slot_RA, token_RA), fill(slot_RA, keep_RA)
+  buf_RQD = jnp.where(filled_RQ[..., None], jnp.take_along_axis(x_RLD, token_RQ[..., None], axis=1), 0)
   w_gate, w_up, w_down = weights
-  x_RXECD = exchange(buf_RCD.reshape(r, -1, w_gate.shape[0], c, d), 1)
+  x_RXECD = exchange(buf_RQD.reshape(r, -1, w_gate.shape[0], c, d), 1)
   h_RXECF = (jax.nn.silu(jnp.einsum("RXECD,EDF->RXECF", x_RXECD, w_gate))
              * jnp.einsum("RXECD,EDF->RXECF", x_RXECD, w_up))
-  out_RCD = exchange(jnp.einsum("RXECF,EFD->RXECD", h_RXECF, w_down), 1).reshape(r, e * c, d)
-  out_RAD = jnp.take_along_axis(out_RCD, jnp.minimum(slot_RA, e * c - 1)[..., None], axis=1)
+  out_RQD = exchange(jnp.einsum("RXECF,EFD->RXECD", h_RXECF, w_down), 1).reshape(r, e * c, d)
+  out_RAD = jnp.take_along_axis(out_RQD, jnp.minimum(slot_RA, e * c - 1)[..., None], axis=1)
   gates_RA = jnp.swapaxes(gates_RLk, 1, 2).reshape(r, -1)
   y_RAD = jnp.where(keep_RA[..., None], gates_RA[..., None] * out_RAD.astype(jnp.float32), 0.0)
   dropped = jnp.sum(valid_RL) * cfg.top_k - jnp.sum(keep_RA)
@@ -181,7 +186,12 @@ def _dispatch_dropless(x_SD, experts_Sk, gates_Sk, weights, cfg, exchange, n_sha
 def _moe(x_BLD, valid_BL, router_DE, bias_E, weights, cfg, expert_axis, n_shards, manual_axes):
   """Routes and dispatches this shard's tokens; psums the stat sums over `manual_axes`."""
   b, l, d = x_BLD.shape
-  e, cd = cfg.n_experts, weights[0].dtype
+  e, cd = cfg.n_experts, cfg.compute_dtype
+  replicated = tuple(a for a in manual_axes if a != expert_axis)
+  if replicated:  # vary before the cast: gradients are then summed across shards in param dtype (and
+    # XLA:CPU 0.10.2 crashes on bf16 all-reduces: "Invalid binary instruction opcode copy")
+    weights = tuple(jax.lax.pcast(w, replicated, to="varying") for w in weights)
+  weights = tuple(w.astype(cd) for w in weights)
   logits_BLE = jnp.einsum("BLD,DE->BLE", x_BLD.astype(jnp.float32), router_DE.astype(jnp.float32))
   experts_BLk, gates_BLk, probs_BLE = route(logits_BLE, bias_E, cfg)
   sums = _stat_sums(logits_BLE, experts_BLk, probs_BLE, valid_BL, e)
@@ -210,13 +220,15 @@ def _mesh_axes(logical):
   return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
 
-def _layout():
+def _layout(batch):
   """(batch mesh axes to run manual over, expert mesh axis or None, expert shards), from the active
   logical-axis rules and mesh; axes of size 1 and axes already manual are left out."""
   mesh = jax.sharding.get_abstract_mesh()
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   usable = lambda a: mesh.shape.get(a, 1) > 1 and types[a] != jax.sharding.AxisType.Manual
   batch_axes = tuple(a for a in _mesh_axes(axes.BATCH) if usable(a))
+  if batch % math.prod(mesh.shape[a] for a in batch_axes):
+    return (), None, 1
   expert_axes = [a for a in _mesh_axes(axes.EXPERT) if usable(a)]
   if len(expert_axes) > 1:
     raise ValueError(f"MoeMlp: logical 'expert' must map to one mesh axis, got {expert_axes}")
@@ -234,15 +246,16 @@ class MoeMlp(nn.Module):
   Stats over valid tokens (valid_BL, None = all): aux_loss (E * sum_e f_e P_e), z_loss (mean
   logsumexp(logits)^2), load ([E] assignment fractions before capacity drops), dropped (fraction of
   assignments dropped), entropy (mean entropy of the normalized routing distribution). Padding tokens
-  get zero routed output and are not dispatched or counted. Reads the `moe_state` collection
-  (expert_bias) when cfg.bias_update_rate > 0; never writes it.
+  get zero routed output and are not dispatched or counted. Capacity groups and priority: see
+  `capacity_slots`. Reads the `moe_state` collection (expert_bias) when cfg.bias_update_rate > 0;
+  never writes it.
   """
   cfg: "ModelConfig"  # noqa: F821 (jaxtrain.model.transformer.ModelConfig)
 
   @nn.compact
   def __call__(self, x_BLD, valid_BL=None):
     c = self.cfg
-    e, d, f, cd = c.n_experts, c.d_model, c.expert_d_ff, c.compute_dtype
+    e, d, f = c.n_experts, c.d_model, c.expert_d_ff
     out_std = c.init_std / (2 * c.n_layers) ** 0.5
     router_DE = param(self, "router", (d, e), (axes.EMBED, None), c.param_dtype, c.init_std)
     w_gate = param(self, "gate", (e, d, f), (axes.EXPERT, axes.EMBED, axes.MLP), c.param_dtype, c.init_std)
@@ -254,8 +267,7 @@ class MoeMlp(nn.Module):
       bias_E = self.variable("moe_state", "expert_bias", init).value
     b, l, _ = x_BLD.shape
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL.astype(bool)
-    weights = (w_gate.astype(cd), w_up.astype(cd), w_down.astype(cd))
-    batch_axes, expert_axis, n_shards = _layout()
+    batch_axes, expert_axis, n_shards = _layout(b)
     if e % n_shards:
       raise ValueError(f"MoeMlp: {e} experts do not split over {n_shards} expert shards")
     moe = functools.partial(_moe, cfg=c, expert_axis=expert_axis, n_shards=n_shards, manual_axes=batch_axes)
@@ -263,8 +275,8 @@ class MoeMlp(nn.Module):
       moe = jax.shard_map(moe, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(batch_axes),
                           in_specs=(P(batch_axes), P(batch_axes), P(), P(), P(expert_axis)),
                           out_specs=(P(batch_axes), P()))
-    y_BLD, sums = moe(x_BLD, valid_BL, router_DE, jax.lax.stop_gradient(bias_E), weights)
+    y_BLD, sums = moe(x_BLD, valid_BL, router_DE, jax.lax.stop_gradient(bias_E), (w_gate, w_up, w_down))
     if c.n_shared_experts:
       shared = dataclasses.replace(c, d_ff=c.n_shared_experts * f)
       y_BLD = y_BLD + Mlp(shared, name="shared")(x_BLD).astype(jnp.float32)
-    return y_BLD.astype(cd), _finish_stats(sums, c)
+    return y_BLD.astype(c.compute_dtype), _finish_stats(sums, c)
