@@ -1,8 +1,9 @@
-"""CLI: python -m jaxtrain {train,sample} ... Parses flags, loads the config, calls the library.
+"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect} ... Parses flags, loads the config, calls the library.
 
 Bad flags and bad values end with one line on stderr and exit status 2."""
 
 import argparse
+import os
 import sys
 
 from jaxtrain import config as config_lib
@@ -47,7 +48,32 @@ def parse(argv):
   sample.add_argument("--temperature", type=float, default=None)
   sample.add_argument("--top_k", type=int, default=None)
   sample.add_argument("--seed", type=int, default=0)
+  convert = sub.add_parser("convert", help="HF Llama safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
+  convert.add_argument("--from_hf", metavar="HF_DIR", help="a HF Llama directory (config.json + *.safetensors)")
+  convert.add_argument("--to", metavar="WORKDIR",
+                       help="with --from_hf: the workdir to create (config.json, checkpoints/0)")
+  convert.add_argument("--from", dest="from_dir", metavar="DIR", help="a workdir or checkpoint tier directory")
+  convert.add_argument("--to_hf", metavar="OUT_DIR", help="with --from: the HF directory to write")
+  convert.add_argument("--step", type=int, default=None, metavar="N", help="with --from: the step (default: the newest)")
+  convert.add_argument("--dtype", choices=config_lib.DTYPES, default="float32", help="dtype of the written weights")
+  inspect = sub.add_parser("inspect", help="a workdir's or tier's checkpoints, one step's tree and config")
+  inspect.add_argument("dir", help="a workdir or checkpoint tier directory")
+  inspect.add_argument("--step", type=int, default=None, metavar="N", help="the step to describe (default: the newest)")
   return parser.parse_args(rest), overrides
+
+
+def _convert(args) -> int:
+  if bool(args.from_hf) == bool(args.from_dir) or bool(args.from_hf) != bool(args.to) \
+      or bool(args.from_dir) != bool(args.to_hf):
+    raise config_lib.ConfigError("convert: give either --from_hf DIR --to WORKDIR or --from DIR --to_hf OUT_DIR")
+  if args.from_hf and args.step is not None:
+    raise config_lib.ConfigError("convert: --step applies to --from only")
+  from jaxtrain.checkpoint import convert
+  if args.from_hf:
+    print(f"wrote {convert.from_hf(args.from_hf, args.to, args.dtype)}")
+  else:
+    print(f"wrote {convert.to_hf(args.from_dir, args.to_hf, args.step, args.dtype)}")
+  return 0
 
 
 def _prepare(cfg, workdir: str) -> int:
@@ -74,6 +100,13 @@ def main(argv=None) -> int:
       raise config_lib.ConfigError("--config.* overrides apply to train and prepare only")
     if args.command == "prepare":
       return _prepare(cfg, args.workdir)
+    if args.command in ("convert", "inspect"):
+      os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-side work: leave accelerators alone
+      if args.command == "convert":
+        return _convert(args)
+      from jaxtrain.checkpoint import convert
+      print(convert.describe(args.dir, args.step))
+      return 0
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -81,8 +81,21 @@ def test_tiers_newest_complete_step_wins_and_the_persistent_tier_survives(tmp_pa
 
 
 def test_an_incompatible_workdir_is_refused_unless_starting_over(tmp_path):
-  workdir, one = str(tmp_path), dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
+  workdir, one = str(tmp_path / "run"), dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
   jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0)), workdir, **one)
+  # another run can start from these params (checkpoint.init_from): same values, its own shardings
+  trained = final_params(workdir)[1]
+  fresh_cfg = tiny_config(mesh=dict(data=1, fsdp=2))
+  mesh, model, tx, _ = loop.build(fresh_cfg, jax.devices()[:2])
+  from jaxtrain.train import state as state_lib
+  fresh, _ = state_lib.create_state(model, tx, 16, 1, mesh, "fsdp")
+  started = loop.init_params(workdir, fresh.params)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(started), trained)
+  jax.tree.map(lambda a, b: a.sharding == b.sharding or pytest.fail("sharding"), started, fresh.params)
+  with pytest.raises(ConfigError, match=r"init_from=.*embed'\] is shape \(64, 32\), the model needs \(64, 48\)"):
+    wide = tiny_config(model=dict(d_model=48))
+    mesh, model, tx, _ = loop.build(wide, jax.devices()[:1])
+    loop.init_params(workdir, state_lib.create_state(model, tx, 16, 1, mesh, "fsdp")[0].params)
   with pytest.raises(ConfigError, match=r"another config \(model.d_model: 32 -> 64\).*--start_over"):
     jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64)), workdir, **one)
   # longer training, another mesh, other checkpoint settings: the same run, resumed
@@ -93,6 +106,11 @@ def test_an_incompatible_workdir_is_refused_unless_starting_over(tmp_path):
   other = tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64))
   jaxtrain.train(other, workdir, start_over=True, **one)
   assert sorted(losses(workdir)) == [1, 2] and os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
+  # a run started from another's params trains (the CLI flag --config.checkpoint.init_from=DIR)
+  tuned = str(tmp_path / "tuned")
+  jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64),
+                             checkpoint=dict(init_from=workdir)), tuned, **one)
+  assert sorted(losses(tuned)) == [1, 2]
 
 
 def test_adaptive_policy_saves_often_while_unstable_and_rarely_while_calm():

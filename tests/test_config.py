@@ -54,7 +54,7 @@ BAD = {
                                       "--config.model.n_kv_heads=4"],
     "sequence longer than max": ["--config.train.seq_len=512"],
     "unknown preset": ["--config.mesh.rules=zero3"],
-    "unknown key": ["--config.model.n_experts=8"],
+    "unknown key": ["--config.model.n_expertz=8"],
     "bad type": ["--config.train.steps=many"],
     "unknown remat": ["--config.model.remat=some"],
 }

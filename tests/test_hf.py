@@ -72,7 +72,7 @@ def test_sharded_export_loads_in_transformers_and_back(tmp_path, tokens_BL):
   cfg2, params2 = hf.import_hf(str(tmp_path / "out"))
   assert cfg2 == cfg
   for path in [("embed",), ("unembed",), ("layers", "attn", "q"), ("layers", "attn", "o"), ("layers", "mlp", "down")]:
-    np.testing.assert_array_equal(hf._get(params2, path), hf._get(params, path))
+    np.testing.assert_array_equal(hf.get_at(params2, path), hf.get_at(params, path))
 
 
 def test_bfloat16_checkpoint_imports_exactly(tmp_path):

@@ -1,8 +1,12 @@
 """Hugging Face Llama checkpoints (config.json + safetensors) to and from jaxtrain parameters.
 
-Both directions stream one tensor at a time: import fills preallocated stacked [N, ...] arrays
-layer by layer, export writes each tensor's bytes straight into its shard. HF Llama's q/k weights
-already use the half-split (rotate_half) rope layout of `layers.rope`, so no permutation is needed.
+Both directions stream: import fills one leaf at a time (a stacked [N, ...] leaf layer by layer)
+by copying each HF tensor's bytes, a block of rows at a time, from the file into a view of the leaf
+in HF's layout; export writes each tensor, a block at a time, from such a view into its shard.
+So host memory holds one leaf and one block: no whole temporary copy, and no memory-mapped file
+(`safetensors.safe_open` maps it, and every page read then counts in the process's resident memory).
+HF Llama's q/k weights already use the half-split (rotate_half) rope layout of `layers.rope`, so
+no permutation is needed.
 
 Layouts (HF weights are [out, in]; ours are [in, ...out]): every matrix except the embedding maps
 as `ours = hf.T.reshape(ours_shape)`, e.g. q_proj [H*K, D] -> q [D, H, K], o_proj [D, H*K] ->
@@ -17,7 +21,6 @@ import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors
 
 from jaxtrain.model.transformer import ModelConfig, Transformer
 
@@ -35,6 +38,10 @@ LAYER_TENSORS = {
 }
 EMBED = "model.embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+# dtype name -> (safetensors code, little-endian numpy dtype) for writing; codes read
+SAFETENSORS_DTYPES = {"float32": ("F32", "<f4"), "bfloat16": ("BF16", jnp.bfloat16)}
+READ_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16)}
+BLOCK_BYTES = 8 * 2**20  # rows copied per read or write
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -64,11 +71,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
   )
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
   return {
       "architectures": ["LlamaForCausalLM"],
       "model_type": "llama",
-      "torch_dtype": "float32",
+      "torch_dtype": dtype,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model,
       "num_hidden_layers": cfg.n_layers,
@@ -94,16 +101,17 @@ def param_shapes(cfg: ModelConfig) -> dict:
   return jax.tree.map(lambda x: x.shape, _unbox(abstract), is_leaf=lambda x: isinstance(x, tuple))
 
 
-def tensor_plan(cfg: ModelConfig):
-  """(hf name, our path, layer index or None, our per-tensor shape) for every HF tensor, in order."""
+def leaf_plan(cfg: ModelConfig):
+  """(our path, leaf shape, [(hf name, layer index or None), ...]) for every parameter leaf, in
+  order; a stacked [layers, ...] leaf comes from one HF tensor per layer."""
   shapes = param_shapes(cfg)
-  plan = [(EMBED, ("embed",), None, shapes["embed"])]
-  for i in range(cfg.n_layers):
-    for suffix, path in LAYER_TENSORS.items():
-      plan.append((f"model.layers.{i}.{suffix}", ("layers",) + path, i, _get(shapes["layers"], path)[1:]))
-  plan.append(("model.norm.weight", ("final_norm", "scale"), None, shapes["final_norm"]["scale"]))
+  plan = [(("embed",), shapes["embed"], [(EMBED, None)])]
+  for suffix, path in LAYER_TENSORS.items():
+    plan.append((("layers",) + path, get_at(shapes["layers"], path),
+                 [(f"model.layers.{i}.{suffix}", i) for i in range(cfg.n_layers)]))
+  plan.append((("final_norm", "scale"), shapes["final_norm"]["scale"], [("model.norm.weight", None)]))
   if not cfg.tie_embeddings:
-    plan.append(("lm_head.weight", ("unembed",), None, shapes["unembed"]))
+    plan.append((("unembed",), shapes["unembed"], [("lm_head.weight", None)]))
   return plan
 
 
@@ -115,18 +123,26 @@ def hf_shape(name: str, shape) -> tuple:
   return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
 
 
-def to_ours(name: str, w, shape):
-  return w if name == EMBED else w.T.reshape(shape)
-
-
 def to_hf(name: str, w):
+  """Our tensor `w` in HF's layout: a view when `w` is contiguous (writable for a numpy array)."""
   return w if name == EMBED else w.reshape(hf_shape(name, w.shape)[::-1]).T
 
 
-def import_hf(hf_dir: str):
-  """(ModelConfig, params) from a HF Llama directory; parameters come out as float32 numpy arrays."""
+def is_hf_dir(path: str) -> bool:
+  """A directory with config.json and *.safetensors (a jaxtrain workdir has no safetensors)."""
+  return os.path.isfile(os.path.join(path, "config.json")) and bool(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def read_config(hf_dir: str) -> ModelConfig:
   with open(os.path.join(hf_dir, "config.json")) as f:
-    cfg = config_from_hf(json.load(f))
+    try:
+      return config_from_hf(json.load(f))
+    except KeyError as e:
+      raise ValueError(f"{hf_dir}/config.json is not a HF Llama config (it lacks {e})") from None
+
+
+def tensor_index(hf_dir: str) -> dict:
+  """HF tensor name -> (file, dtype code, shape, byte offset), from the safetensors headers only."""
   index = os.path.join(hf_dir, "model.safetensors.index.json")
   if os.path.exists(index):
     with open(index) as f:
@@ -135,42 +151,69 @@ def import_hf(hf_dir: str):
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
   if not files:
     raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
-  where = {}  # tensor name -> (open file, its path)
+  where = {}
   for path in files:
-    handle = safetensors.safe_open(path, framework="numpy")
-    where.update({name: (handle, path) for name in handle.keys()})
-  plan = tensor_plan(cfg)
-  params = {}
-  for name, path, layer, shape in plan:
-    if name not in where:
-      raise ValueError(f"{hf_dir} lacks tensor {name}")
-    w = _read_tensor(*where[name], name)
-    if w.shape != hf_shape(name, shape):
-      raise ValueError(f"{name} has shape {w.shape}, expected {hf_shape(name, shape)}")
-    if layer is None:
-      _set(params, path, to_ours(name, w, shape).astype(np.float32))
-    else:
-      if _get(params, path) is None:
-        _set(params, path, np.empty((cfg.n_layers, *shape), np.float32))
-      _get(params, path)[layer] = to_ours(name, w, shape)
-    del w
-  used = {name for name, *_ in plan} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
-  unknown = [n for n in where if n not in used and not n.endswith(IGNORED_SUFFIXES)]
+    with open(path, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(n))
+    for name, entry in header.items():
+      if name == "__metadata__":
+        continue
+      if entry["dtype"] not in READ_DTYPES:
+        raise ValueError(f"{name} has dtype {entry['dtype']}; supported: {', '.join(READ_DTYPES)}")
+      where[name] = (path, entry["dtype"], tuple(entry["shape"]), 8 + n + entry["data_offsets"][0])
+  return where
+
+
+def check_tensors(cfg: ModelConfig, index: dict, hf_dir: str) -> None:
+  """ValueError unless `index` holds exactly the tensors of `cfg`, with their shapes."""
+  plan = leaf_plan(cfg)
+  for _, shape, sources in plan:
+    for name, layer in sources:
+      want = hf_shape(name, shape if layer is None else shape[1:])
+      if name not in index:
+        raise ValueError(f"{hf_dir} lacks tensor {name}")
+      if index[name][2] != want:
+        raise ValueError(f"{name} has shape {index[name][2]}, expected {want}")
+  used = {name for *_, sources in plan for name, _ in sources} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+  unknown = [n for n in index if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if unknown:
     raise ValueError(f"unexpected tensors in {hf_dir} (e.g. {unknown[:3]}); config and weights disagree")
+
+
+def read_leaves(hf_dir: str, cfg: ModelConfig, dtype=np.float32):
+  """Yields (our path, numpy leaf) one leaf at a time; a stacked leaf is filled layer by layer.
+  Host memory holds the leaf and one block of rows. Checks every name and shape before reading."""
+  index = tensor_index(hf_dir)
+  check_tensors(cfg, index, hf_dir)
+  for path, shape, sources in leaf_plan(cfg):
+    leaf = np.empty(shape, dtype)
+    for name, layer in sources:
+      _read_into(index, name, to_hf(name, leaf if layer is None else leaf[layer]))
+    yield path, leaf
+    del leaf
+
+
+def import_hf(hf_dir: str):
+  """(ModelConfig, params) from a HF Llama directory; parameters come out as float32 numpy arrays."""
+  cfg = read_config(hf_dir)
+  params = {}
+  for path, leaf in read_leaves(hf_dir, cfg):
+    set_at(params, path, leaf)
   return cfg, params
 
 
-def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
-  """Writes config.json and float32 safetensors shards (plus the index json when more than one)."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg), f, indent=2)
-  params = _unbox(params)
-  plan = tensor_plan(cfg)
+def write_hf(cfg: ModelConfig, out_dir: str, leaf_fn, dtype: str = "float32",
+             max_shard_bytes: int = 5 * 2**30) -> None:
+  """Writes config.json and safetensors shards (plus the index json when more than one), tensor by
+  tensor. `leaf_fn(path)` gives our leaf at `path`; it is called once per leaf, in `leaf_plan`
+  order, and only the current leaf is held."""
+  itemsize = np.dtype(SAFETENSORS_DTYPES[dtype][1]).itemsize
+  entries = [(name, path, layer, hf_shape(name, shape if layer is None else shape[1:]))
+             for path, shape, sources in leaf_plan(cfg) for name, layer in sources]
   shards, size = [[]], 0
-  for entry in plan:
-    nbytes = 4 * int(np.prod(entry[3]))
+  for entry in entries:
+    nbytes = itemsize * int(np.prod(entry[3]))
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append([])
       size = 0
@@ -178,48 +221,75 @@ def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 *
     size += nbytes
   names = ["model.safetensors"] if len(shards) == 1 else \
       [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config_to_hf(cfg, dtype), f, indent=2)
+  held = {}  # the one leaf alive: {path: leaf}
 
   def tensors(shard):
-    for name, path, layer, shape in shard:
-      w = _get(params, path)
-      w = w if layer is None else w[layer]  # slices one layer (a jax array transfers just that)
-      yield name, to_hf(name, np.asarray(w, np.float32))
+    for name, path, layer, _ in shard:
+      if path not in held:
+        held.clear()  # drop the previous leaf before reading the next
+        held[path] = leaf_fn(path)
+      leaf = held[path]
+      yield name, to_hf(name, np.asarray(leaf if layer is None else leaf[layer]))
+      del leaf  # else this frame would keep the leaf alive while the next one is read
 
   for fname, shard in zip(names, shards):
-    _write_safetensors(os.path.join(out_dir, fname), [(n, hf_shape(n, s)) for n, _, _, s in shard], tensors(shard))
+    _write_safetensors(os.path.join(out_dir, fname), [(n, s) for n, _, _, s in shard], tensors(shard), dtype)
+  held.clear()
   if len(shards) > 1:
     weight_map = {name: fname for fname, shard in zip(names, shards) for name, *_ in shard}
-    total = sum(4 * int(np.prod(s)) for *_, s in plan)
+    total = sum(itemsize * int(np.prod(s)) for *_, s in entries)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 * 2**30,
+              dtype: str = "float32") -> None:
+  """Writes params (numpy or jax arrays) as a HF Llama directory; see write_hf."""
+  params = _unbox(params)
+  write_hf(cfg, out_dir, lambda path: get_at(params, path), dtype, max_shard_bytes)
+
+
 def load_pretrained(path: str):
-  """(cfg, params, apply_fn) from a HF Llama directory; apply_fn(params, tokens_BL) -> logits_BLV."""
-  cfg, params = import_hf(path)
+  """(cfg, params, apply_fn) from a HF Llama directory, or from a jaxtrain workdir or checkpoint
+  tier (its newest step's params, read with Orbax partial restore);
+  apply_fn(params, tokens_BL) -> logits_BLV."""
+  if is_hf_dir(path):
+    cfg, params = import_hf(path)
+  else:
+    from jaxtrain.checkpoint import convert  # convert builds on this module
+    cfg, params = convert.load_params(path)
   model = Transformer(cfg)
   return cfg, params, lambda p, tokens_BL: model.apply({"params": p}, tokens_BL)
 
 
-def _read_tensor(handle, path: str, name: str) -> np.ndarray:
-  """One tensor as numpy; bfloat16, which safetensors' numpy backend cannot name, is memory-mapped."""
-  if handle.get_slice(name).get_dtype() != "BF16":
-    return handle.get_tensor(name)
+def _read_into(index: dict, name: str, out) -> None:
+  """Copies HF tensor `name` into `out` (an array or view of its shape; cast to out's dtype), a
+  block of rows at a time, with plain reads."""
+  path, code, shape, offset = index[name]
+  dtype = READ_DTYPES[code]
+  rows = max(1, BLOCK_BYTES // (dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))))
   with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    entry = json.loads(f.read(n))[name]
-  begin, end = entry["data_offsets"]
-  w = np.memmap(path, np.uint16, "r", offset=8 + n + begin, shape=((end - begin) // 2,))
-  return np.asarray(w.view(jnp.bfloat16).reshape(entry["shape"]), np.float32)
+    f.seek(offset)
+    for r in range(0, shape[0], rows):
+      block = np.empty((min(rows, shape[0] - r), *shape[1:]), dtype)
+      if f.readinto(memoryview(block.reshape(-1).view(np.uint8))) != block.nbytes:
+        raise ValueError(f"{path} ends inside tensor {name}")
+      out[r:r + len(block)] = block
 
 
-def _write_safetensors(path: str, header_entries, tensors) -> None:
+def _write_safetensors(path: str, header_entries, tensors, dtype: str = "float32") -> None:
   """The safetensors format (u64 header size, JSON header, raw little-endian bytes), written one
-  tensor at a time so only one tensor is ever in memory. `header_entries`: (name, shape) in order."""
+  tensor at a time, a block of rows at a time. `header_entries`: (name, shape) in order; `tensors`
+  yields (name, array of that shape), e.g. a view of a leaf."""
+  code, np_dtype = SAFETENSORS_DTYPES[dtype]
+  itemsize = np.dtype(np_dtype).itemsize
   header, offset = {"__metadata__": {"format": "pt"}}, 0
   for name, shape in header_entries:
-    nbytes = 4 * int(np.prod(shape))
-    header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    nbytes = itemsize * int(np.prod(shape))
+    header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)
@@ -227,7 +297,10 @@ def _write_safetensors(path: str, header_entries, tensors) -> None:
     f.write(struct.pack("<Q", len(blob)) + blob)
     for name, w in tensors:
       assert list(w.shape) == header[name]["shape"], (name, w.shape, header[name]["shape"])
-      f.write(np.ascontiguousarray(w, "<f4").tobytes())
+      rows = max(1, BLOCK_BYTES // (itemsize * int(np.prod(w.shape[1:], dtype=np.int64))))
+      for r in range(0, w.shape[0], rows):  # a block may be a view of the leaf: keep no name on it
+        f.write(memoryview(np.ascontiguousarray(w[r:r + rows], np_dtype).reshape(-1).view(np.uint8)))
+      del w
   os.replace(path + ".tmp", path)
 
 
@@ -236,7 +309,8 @@ def _unbox(tree):
                       is_leaf=lambda x: hasattr(x, "unbox"))
 
 
-def _get(tree, path):
+def get_at(tree, path):
+  """tree[path[0]][path[1]]...; None where a key is absent."""
   for key in path:
     if key not in tree:
       return None
@@ -244,7 +318,8 @@ def _get(tree, path):
   return tree
 
 
-def _set(tree, path, value):
+def set_at(tree, path, value):
+  """tree[path[0]][path[1]]... = value, making the dicts on the way."""
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
   tree[path[-1]] = value

@@ -122,6 +122,26 @@ def restore_state(ckpts: checkpoint.Checkpoints, model, tx, seq_len, mesh, rules
   return state, shardings, data_state, row
 
 
+def init_params(path: str, like):
+  """The params of another run or a converted model (newest step), placed like `like` (the fresh
+  params: same tree, shapes and shardings); a mismatch is one ConfigError line."""
+  from jaxtrain.checkpoint import convert
+  try:
+    _, loaded = convert.load_params(path)
+  except (FileNotFoundError, ValueError) as e:
+    raise config_lib.ConfigError(f"checkpoint.init_from={path}: {e}") from e
+  want = jax.tree_util.tree_flatten_with_path(like)[0]
+  got = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
+  for key, leaf in want:
+    if key not in got or tuple(got[key].shape) != tuple(leaf.shape):
+      found = "missing" if key not in got else f"shape {tuple(got[key].shape)}"
+      raise config_lib.ConfigError(f"checkpoint.init_from={path}: {jax.tree_util.keystr(key)} is {found}, the "
+                                   f"model needs {tuple(leaf.shape)}")
+  return jax.tree_util.tree_map_with_path(
+      lambda key, leaf: jax.make_array_from_callback(leaf.shape, leaf.sharding,
+                                                     lambda index: np.asarray(got[key][index], leaf.dtype)), like)
+
+
 def checkpoint_meta(cfg, workdir: str) -> dict:
   """What a checkpoint carries beside the arrays: the config and the tokenizer reference."""
   ref = os.path.join(workdir, "tokenizer_ref.json")
@@ -231,6 +251,8 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
     writer.write(int(state.step), row)
   else:
     state, shardings = state_lib.create_state(model, tx, t.seq_len, t.seed, mesh, cfg.mesh.rules)
+    if cfg.checkpoint.init_from:
+      state = state.replace(params=init_params(cfg.checkpoint.init_from, state.params))
   start = int(state.step)
 
   # ---- compile once, with the logical rules and mesh in context ----

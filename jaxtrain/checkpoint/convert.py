@@ -1,0 +1,356 @@
+"""Streaming conversion between HF Llama checkpoints and jaxtrain's Orbax checkpoints, and inspection.
+
+A tier directory holds integer step dirs, each with the Orbax items `state` (the train state as a
+dict; a converted checkpoint has only `params`) and `meta` (JSON: format, config, tokenizer).
+
+Import writes one jaxtrain leaf at a time with Orbax partial saving (`ocp.v1.partial.save`, one call
+per leaf, `ocp.v1.partial.finalize` at the end) into a staging dir named like Orbax's own temporary step dirs
+(`0.orbax-checkpoint-tmp`); `meta` is added there and the staging dir is renamed to `0` last, so an
+interrupted conversion never leaves a step that looks complete. The result is an ordinary OCDBT
+PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read leaves with
+`ocp.args.PyTreeRestore(partial_restore=True)`; inspection reads only Orbax metadata.
+"""
+
+import json
+import os
+import shutil
+
+import ml_collections
+import numpy as np
+
+from jaxtrain import config as config_lib
+from jaxtrain.checkpoint import hf
+
+FORMAT = 1
+STATE, META = "state", "meta"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
+MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
+            "dispatch", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight", "router_z_weight",
+            "bias_update_rate")  # shown only for a mixture-of-experts model
+TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", "optim.name", "optim.lr",
+              "optim.schedule", "checkpoint.every_steps", "checkpoint.dir", "checkpoint.fast_dir",
+              "data.kind", "data.tokenizer")
+
+
+# ---- tiers and steps ----
+
+def tiers(src: str) -> list[tuple[str, str]]:
+  """(name, dir) of the checkpoint tiers of a workdir (from its config.json), or [("tier", src)]
+  when src is a tier dir itself. ConfigError (one line) when src is neither."""
+  if not os.path.isdir(src):
+    raise config_lib.ConfigError(f"{src}: no such directory")
+  if hf.is_hf_dir(src):
+    raise config_lib.ConfigError(f"{src} is a Hugging Face directory; convert it with --from_hf first")
+  if os.path.isfile(os.path.join(src, "config.json")):
+    k = _read_json(os.path.join(src, "config.json")).get("checkpoint", {})
+    found = [("persistent", k.get("dir") or os.path.join(src, "checkpoints"))]
+    return found + ([("fast", k["fast_dir"])] if k.get("fast_dir") else [])
+  return [("tier", src)]
+
+
+def manager(tier: str):
+  """A read-only Orbax manager over a tier, with the handlers of its items."""
+  import orbax.checkpoint as ocp
+  from absl import logging
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)  # it warns that the directory is read-only, as asked
+  try:
+    return ocp.CheckpointManager(os.path.abspath(tier), options=options, item_handlers={
+        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()})
+  finally:
+    logging.set_verbosity(verbosity)
+
+
+def find_step(src: str, step: int | None = None):
+  """(manager, step) of the newest complete step over all tiers of src (or of `step`)."""
+  best = None
+  for _, tier in tiers(src):
+    if not os.path.isdir(tier):
+      continue
+    mngr = manager(tier)
+    for s in mngr.all_steps():
+      if (step is None or s == step) and (best is None or s > best[1]):
+        best = (mngr, s)
+  if best is None:
+    what = "no complete checkpoint" if step is None else f"no complete step {step}"
+    raise config_lib.ConfigError(f"{src}: {what} (looked in {', '.join(t for _, t in tiers(src))})")
+  return best
+
+
+def read_config(src: str, mngr, step: int) -> ml_collections.ConfigDict:
+  """The config saved with the step (its `meta` item), else the workdir's config.json."""
+  import orbax.checkpoint as ocp
+  if os.path.isdir(os.path.join(mngr.directory, str(step), META)):
+    meta = mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    return ml_collections.ConfigDict(meta["config"])
+  path = os.path.join(src, "config.json")
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"{src}: step {step} has no meta item and there is no config.json")
+  return ml_collections.ConfigDict(_read_json(path))
+
+
+def params_metadata(mngr, step: int) -> dict:
+  """The `params` subtree of the state item's Orbax metadata (shapes, dtypes; no array is read)."""
+  tree = mngr.item_metadata(step)[STATE]
+  tree = getattr(tree, "tree", tree)
+  if not isinstance(tree, dict) or "params" not in tree:
+    raise config_lib.ConfigError(f"{mngr.directory}/{step}: the state item has no params")
+  return tree["params"]
+
+
+def restore_params(mngr, step: int, tree: dict) -> dict:
+  """The leaves of `tree` (a subtree of params metadata) as numpy arrays, read with partial restore."""
+  import jax
+  import orbax.checkpoint as ocp
+  item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+  restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  args = ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": restore_args}, partial_restore=True)
+  return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE]["params"]
+
+
+def load_params(src: str, step: int | None = None):
+  """(ModelConfig, params as numpy) of a workdir's or tier's newest step (or `step`)."""
+  mngr, step = find_step(src, step)
+  cfg = _model_config(read_config(src, mngr, step), mngr, step)
+  return cfg, restore_params(mngr, step, params_metadata(mngr, step))
+
+
+# ---- HF -> jaxtrain ----
+
+def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
+  """Converts a HF Llama directory into WORKDIR/config.json and the step WORKDIR/checkpoints/0,
+  one leaf at a time; returns the step dir."""
+  import orbax.checkpoint as ocp
+  if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    raise config_lib.ConfigError(f"--from_hf: {hf_dir} has no config.json (expected a HF Llama directory)")
+  try:
+    model = hf.read_config(hf_dir)
+    hf.check_tensors(model, hf.tensor_index(hf_dir), hf_dir)
+  except (ValueError, FileNotFoundError) as e:
+    raise config_lib.ConfigError(f"--from_hf: {e}") from e
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f"--to: {workdir} is not a directory")
+  tier = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  final, staging = os.path.join(tier, "0"), os.path.join(tier, "0" + TMP_SUFFIX)
+  existing = [tier] + ([t for _, t in tiers(workdir)] if os.path.isdir(workdir) else [])
+  if any(os.path.isdir(t) and manager(t).all_steps() for t in existing):
+    raise config_lib.ConfigError(f"--to: {workdir} already holds checkpoints; choose a new workdir")
+  for leftover in (staging, staging + ".partial_save"):  # from an interrupted conversion
+    shutil.rmtree(leftover, ignore_errors=True)
+
+  cfg = workdir_config(model, hf_dir, dtype)
+  os.makedirs(tier, exist_ok=True)
+  _write_text(os.path.join(workdir, "config.json"), cfg.to_json(indent=2))
+  context = ocp.v1.Context()
+  context.memory.deepcopy_host_arrays = False  # each save blocks until written: no copy needed
+  # Without zstd, TensorStore writes the leaf's bytes as they are; with it, compressed buffers of
+  # the whole-leaf chunk came on top (peak 3.5-4.5x the largest leaf instead of 1x + a fixed ~65 MiB,
+  # benchmarks/convert_memory.py). Weights barely compress; restore reads either codec.
+  context.array.saving.use_compression = False
+  with context:
+    for path, leaf in hf.read_leaves(hf_dir, model, _np_dtype(dtype)):
+      save_leaf(staging, path, leaf)
+      del leaf
+    ocp.v1.partial.finalize(staging)
+  tokenizer = {"kind": "hf", "path": cfg.data.tokenizer} if cfg.data.tokenizer.endswith(".json") else None
+  _commit(staging, final, {"format": FORMAT, "config": cfg.to_dict(), "tokenizer": tokenizer})
+  return final
+
+
+def workdir_config(model, hf_dir: str, dtype: str) -> ml_collections.ConfigDict:
+  """default_config() with the model section of a HF model and its tokenizer.json (if any)."""
+  cfg = config_lib.default_config()
+  cfg.model.update(vocab_size=model.vocab_size, d_model=model.d_model, n_layers=model.n_layers,
+                   n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim,
+                   d_ff=model.d_ff, max_seq_len=model.max_seq_len, rope_theta=model.rope_theta,
+                   tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, param_dtype=dtype)
+  tokenizer = os.path.join(os.path.abspath(hf_dir), "tokenizer.json")
+  if os.path.isfile(tokenizer):
+    cfg.data.tokenizer = tokenizer
+  return cfg
+
+
+def save_leaf(staging: str, path: tuple, leaf) -> None:
+  """One leaf into the partial save session at `staging` (blocks until it is written)."""
+  import orbax.checkpoint as ocp
+  ocp.v1.partial.save(staging, _nest(("params",) + path, leaf))
+
+
+def _commit(staging: str, final: str, meta: dict) -> None:
+  """Adds the meta item to a finalized staging step, names its items' handlers as a
+  CheckpointManager save would, and renames it to the step dir (the one visible change)."""
+  import orbax.checkpoint as ocp
+  from etils import epath
+  os.makedirs(os.path.join(staging, META))
+  ocp.JsonCheckpointHandler().save(epath.Path(staging) / META, args=ocp.args.JsonSave(meta))
+  # The partial saver records its own v1 handler; a manager restoring without args needs these.
+  step_meta_path = os.path.join(staging, "_CHECKPOINT_METADATA")
+  step_meta = _read_json(step_meta_path)
+  step_meta["item_handlers"] = {STATE: ocp.StandardCheckpointHandler().typestr(),
+                                META: ocp.JsonCheckpointHandler().typestr()}
+  _write_text(step_meta_path, json.dumps(step_meta))
+  os.rename(staging, final)
+
+
+# ---- jaxtrain -> HF ----
+
+def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32",
+          max_shard_bytes: int = 5 * 2**30) -> str:
+  """Writes the params of a workdir's or tier's newest step (or `step`) as a HF Llama directory,
+  one leaf at a time; returns out_dir."""
+  if os.path.isdir(out_dir) and os.listdir(out_dir):
+    raise config_lib.ConfigError(f"--to_hf: {out_dir} is not empty")
+  mngr, step = find_step(src, step)
+  cfg = read_config(src, mngr, step)
+  model = _model_config(cfg, mngr, step)
+  meta = params_metadata(mngr, step)
+  for path, shape, _ in hf.leaf_plan(model):
+    saved = hf.get_at(meta, path)
+    if saved is None or tuple(saved.shape) != tuple(shape):
+      raise config_lib.ConfigError(f"{mngr.directory}/{step}: params/{'/'.join(path)} is "
+                                   f"{None if saved is None else saved.shape}, the config says {shape}")
+
+  def leaf_fn(path):
+    return hf.get_at(restore_params(mngr, step, _nest(path, hf.get_at(meta, path))), path)
+
+  hf.write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
+  tokenizer = cfg.data.tokenizer
+  if tokenizer.endswith(".json") and os.path.isfile(tokenizer):
+    shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+  return out_dir
+
+
+# ---- inspection ----
+
+def describe(src: str, step: int | None = None) -> str:
+  """A report of src's tiers (complete steps with sizes, temporary dirs) and of one step: the state
+  item's tree from Orbax metadata (no array is read), parameter totals and the config."""
+  lines, kinds = [], set()
+  for name, tier in tiers(src):
+    entries = _tier_entries(tier)
+    kinds |= {kind for *_, kind in entries}
+    lines.append(f"tier {name}: {tier}")
+    lines += [f"  {entry:<14} {_human(size):>10}  {kind}" for entry, size, kind in entries] or ["  (empty)"]
+  if not kinds - {"not a step"}:
+    raise config_lib.ConfigError(f"{src}: no checkpoints (looked in {', '.join(t for _, t in tiers(src))})")
+  if step is None and "complete" not in kinds:
+    return "\n".join(lines + ["no complete step"])
+  mngr, step = find_step(src, step)
+  lines.append(f"step {step} in {mngr.directory}; state item:")
+  tree = mngr.item_metadata(step)[STATE]
+  leaves = sorted(_flat(getattr(tree, "tree", tree)), key=lambda item: (item[0][0] != "params", item[0]))
+  width = max(len("/".join(path)) for path, _ in leaves)
+  totals = {"params": [0, 0], "state": [0, 0]}
+  for path, leaf in leaves:
+    shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", None)
+    sharding = getattr(leaf, "sharding", None)
+    spec = f"  {_sharding_text(sharding)}" if sharding is not None else ""
+    lines.append(f"  {'/'.join(path):<{width}}  {str(list(shape)):<16} {dtype or type(leaf).__name__}{spec}")
+    for key in ("state", "params") if path[0] == "params" else ("state",):
+      totals[key][0] += int(np.prod(shape))
+      totals[key][1] += int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype is not None else 0)
+  lines.append(f"params: {totals['params'][0]:,} ({_human(totals['params'][1])}); "
+               f"state item: {len(leaves)} arrays, {totals['state'][0]:,} values ({_human(totals['state'][1])})")
+  cfg = read_config(src, mngr, step)
+  model = {k: v for k, v in cfg.model.items() if cfg.model.get("n_experts") or k not in MOE_KEYS}
+  lines.append("model: " + " ".join(f"{k}={v}" for k, v in model.items()))
+  lines.append("train: " + " ".join(f"{k}={_lookup(cfg, k)}" for k in TRAIN_KEYS if _lookup(cfg, k) is not None))
+  return "\n".join(lines)
+
+
+def _tier_entries(tier: str) -> list[tuple[str, int, str]]:
+  """(name, bytes on disk, kind) of every entry of a tier dir, in step order."""
+  if not os.path.isdir(tier):
+    return []
+  complete = {str(s) for s in manager(tier).all_steps()}
+  out = []
+  for entry in sorted(os.listdir(tier), key=_step_order):
+    full = os.path.join(tier, entry)
+    kind = "complete" if entry in complete else \
+        "temporary (Orbax tmp / partial save)" if TMP_SUFFIX in entry or ".partial_save" in entry else \
+        "incomplete (not finalized)" if entry.isdigit() else "not a step"
+    out.append((entry, _du(full), kind))
+  return out
+
+
+def _sharding_text(sharding) -> str:
+  """The saved sharding of an array: its mesh axes and partition spec when it is a NamedSharding."""
+  spec = getattr(sharding, "partition_spec", None)
+  if spec is None:
+    return type(sharding).__name__
+  axes = ",".join(f"{a}={n}" for a, n in zip(sharding.axis_names, np.ravel(sharding.shape)) if n > 1)
+  return f"P{tuple(spec)} mesh({axes})"
+
+
+# ---- small pieces ----
+
+def _np_dtype(name: str):
+  import jax.numpy as jnp
+  return {"float32": np.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def _model_config(cfg, mngr, step):
+  """The ModelConfig of a step's config; HF Llama has no mixture of experts."""
+  if "model" not in cfg:
+    raise config_lib.ConfigError(f"{mngr.directory}/{step}: its config has no model section")
+  if cfg.model.get("n_experts", 0):
+    raise config_lib.ConfigError(f"{mngr.directory}/{step}: a mixture-of-experts model has no HF Llama form")
+  return hf.ModelConfig.from_config(cfg.model)
+
+
+def _nest(path: tuple, value) -> dict:
+  for key in reversed(path):
+    value = {key: value}
+  return value
+
+
+def _flat(tree, prefix=()):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _flat(v, prefix + (str(k),))
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      yield from _flat(v, prefix + (str(i),))
+  elif tree is not None:
+    yield prefix, tree
+
+
+def _lookup(cfg, dotted):
+  node = cfg
+  for key in dotted.split("."):
+    if key not in node:
+      return None
+    node = node[key]
+  return node
+
+
+def _du(path: str) -> int:
+  if os.path.isfile(path):
+    return os.path.getsize(path)
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _human(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+
+
+def _step_order(name: str):
+  head = name.split(".")[0]
+  return (int(head), name) if head.isdigit() else (float("inf"), name)
+
+
+def _read_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _write_text(path: str, text: str) -> None:
+  """Written whole or not at all."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
