@@ -221,11 +221,30 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(f"model.vocab_size={m.vocab_size} is below data.bpe_vocab_size={d.bpe_vocab_size}")
   if m.n_experts:
     _validate_moe(m, shape, cfg.mesh.rules)
+  _validate_checkpoint(cfg.checkpoint)
   if o.lr <= 0:
     raise ConfigError(f"optim.lr must be positive, got {o.lr}")
   if o.warmup_steps >= t.steps and t.steps > 1:
     raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}")
   return shape
+
+
+def _validate_checkpoint(k):
+  for key in ("every_steps", "keep_every_steps", "fast_every_steps"):
+    if k[key] < 0:
+      raise ConfigError(f"checkpoint.{key} must be >= 0, got {k[key]}")
+  if k.every_seconds < 0 or k.fast_every_seconds < 0:
+    raise ConfigError("checkpoint.every_seconds and checkpoint.fast_every_seconds must be >= 0")
+  if k.keep < 1 or k.fast_keep < 1:
+    raise ConfigError(f"checkpoint.keep and checkpoint.fast_keep must be >= 1, got {k.keep} and {k.fast_keep}")
+  if k.adaptive and not 1 <= k.adaptive_min_steps <= k.adaptive_max_steps:
+    raise ConfigError(f"checkpoint.adaptive_min_steps={k.adaptive_min_steps} must be in [1, "
+                      f"checkpoint.adaptive_max_steps={k.adaptive_max_steps}]")
+  if k.adaptive and k.adaptive_spike <= 0:
+    raise ConfigError(f"checkpoint.adaptive_spike must be positive, got {k.adaptive_spike}")
+  if k.fast_dir and not (k.fast_every_steps or k.fast_every_seconds or k.adaptive):
+    raise ConfigError("checkpoint.fast_dir is set but nothing saves to it: set checkpoint.fast_every_steps, "
+                      "fast_every_seconds or adaptive")
 
 
 def _validate_moe(m, shape, rules):

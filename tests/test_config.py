@@ -57,6 +57,15 @@ BAD = {
     "unknown key": ["--config.model.n_expertz=8"],
     "bad type": ["--config.train.steps=many"],
     "unknown remat": ["--config.model.remat=some"],
+    "top_k above experts": ["--config.model.n_experts=4", "--config.model.top_k=5"],
+    "experts over the expert axis": ["--config.model.n_experts=3", "--config.model.top_k=1",
+                                     "--config.mesh.expert=2", "--config.mesh.rules=fsdp_ep"],
+    "moe_every does not divide": ["--config.model.n_experts=4", "--config.model.moe_every=3"],
+    "unknown router": ["--config.model.n_experts=4", "--config.model.router=relu"],
+    "fast tier that never saves": ["--config.checkpoint.fast_dir=/tmp/x"],
+    "unwritable checkpoint dir": ["--config.checkpoint.dir=/proc/jaxtrain/ckpt"],
+    "adaptive min above max": ["--config.checkpoint.adaptive=true", "--config.checkpoint.adaptive_min_steps=50",
+                               "--config.checkpoint.adaptive_max_steps=10"],
 }
 
 

@@ -156,6 +156,12 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
   """Refuses a workdir whose checkpoints were made by an incompatible config (one line), or, with
   `start_over`, deletes its checkpoints and logs first."""
   saved_path = os.path.join(workdir, "config.json")
+  for name, directory in checkpoint.tier_dirs(cfg, workdir).items():
+    if "://" not in directory and jax.process_index() == 0:
+      try:
+        os.makedirs(directory, exist_ok=True)
+      except OSError as e:
+        raise config_lib.ConfigError(f"checkpoint tier {name} at {directory}: {e.strerror}") from e
   if start_over:
     if jax.process_index() == 0:
       if os.path.isfile(saved_path):
