@@ -1,4 +1,4 @@
-"""Streaming conversion between HF Llama checkpoints and jaxtrain's Orbax checkpoints, and inspection.
+"""Streaming conversion between HF Llama / Mixtral checkpoints and jaxtrain's Orbax checkpoints, and inspection.
 
 A tier directory holds integer step dirs, each with the Orbax items `state` (the train state as a
 dict; a converted checkpoint has only `params`) and `meta` (JSON: format, config, tokenizer).
@@ -11,6 +11,7 @@ PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read
 `ocp.args.PyTreeRestore(partial_restore=True)`; inspection reads only Orbax metadata.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -119,11 +120,11 @@ def load_params(src: str, step: int | None = None):
 # ---- HF -> jaxtrain ----
 
 def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
-  """Converts a HF Llama directory into WORKDIR/config.json and the step WORKDIR/checkpoints/0,
+  """Converts a HF Llama or Mixtral directory into WORKDIR/config.json and the step WORKDIR/checkpoints/0,
   one leaf at a time; returns the step dir."""
   import orbax.checkpoint as ocp
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-    raise config_lib.ConfigError(f"--from_hf: {hf_dir} has no config.json (expected a HF Llama directory)")
+    raise config_lib.ConfigError(f"--from_hf: {hf_dir} has no config.json (expected a HF Llama or Mixtral directory)")
   try:
     model = hf.read_config(hf_dir)
     hf.check_tensors(model, hf.tensor_index(hf_dir), hf_dir)
@@ -159,12 +160,12 @@ def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
 
 
 def workdir_config(model, hf_dir: str, dtype: str) -> ml_collections.ConfigDict:
-  """default_config() with the model section of a HF model and its tokenizer.json (if any)."""
+  """default_config() with the model section of a HF model (a ModelConfig; MoE fields included) and
+  its tokenizer.json (if any)."""
   cfg = config_lib.default_config()
-  cfg.model.update(vocab_size=model.vocab_size, d_model=model.d_model, n_layers=model.n_layers,
-                   n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim,
-                   d_ff=model.d_ff, max_seq_len=model.max_seq_len, rope_theta=model.rope_theta,
-                   tie_embeddings=model.tie_embeddings, norm_eps=model.norm_eps, param_dtype=dtype)
+  values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+            if f.name in cfg.model and f.name not in ("param_dtype", "compute_dtype")}
+  cfg.model.update(values, param_dtype=dtype)
   tokenizer = os.path.join(os.path.abspath(hf_dir), "tokenizer.json")
   if os.path.isfile(tokenizer):
     cfg.data.tokenizer = tokenizer
@@ -197,13 +198,18 @@ def _commit(staging: str, final: str, meta: dict) -> None:
 
 def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32",
           max_shard_bytes: int = 5 * 2**30) -> str:
-  """Writes the params of a workdir's or tier's newest step (or `step`) as a HF Llama directory,
-  one leaf at a time; returns out_dir."""
+  """Writes the params of a workdir's or tier's newest step (or `step`) as a HF Llama directory (a
+  Mixtral one for an MoE model; refused when Mixtral cannot express it), one leaf at a time;
+  returns out_dir."""
   if os.path.isdir(out_dir) and os.listdir(out_dir):
     raise config_lib.ConfigError(f"--to_hf: {out_dir} is not empty")
   mngr, step = find_step(src, step)
   cfg = read_config(src, mngr, step)
   model = _model_config(cfg, mngr, step)
+  try:
+    hf.config_to_hf(model, dtype)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"--to_hf: {mngr.directory}/{step}: {e}") from None
   meta = params_metadata(mngr, step)
   for path, shape, _ in hf.leaf_plan(model):
     saved = hf.get_at(meta, path)
@@ -291,11 +297,9 @@ def _np_dtype(name: str):
 
 
 def _model_config(cfg, mngr, step):
-  """The ModelConfig of a step's config; HF Llama has no mixture of experts."""
+  """The ModelConfig of a step's config."""
   if "model" not in cfg:
     raise config_lib.ConfigError(f"{mngr.directory}/{step}: its config has no model section")
-  if cfg.model.get("n_experts", 0):
-    raise config_lib.ConfigError(f"{mngr.directory}/{step}: a mixture-of-experts model has no HF Llama form")
   return hf.ModelConfig.from_config(cfg.model)
 
 

@@ -1,18 +1,26 @@
-"""Hugging Face Llama checkpoints (config.json + safetensors) to and from jaxtrain parameters.
+"""Hugging Face Llama and Mixtral checkpoints (config.json + safetensors) to and from jaxtrain parameters.
 
 Both directions stream: import fills one leaf at a time (a stacked [N, ...] leaf layer by layer)
 by copying each HF tensor's bytes, a block of rows at a time, from the file into a view of the leaf
 in HF's layout; export writes each tensor, a block at a time, from such a view into its shard.
 So host memory holds one leaf and one block: no whole temporary copy, and no memory-mapped file
 (`safetensors.safe_open` maps it, and every page read then counts in the process's resident memory).
-HF Llama's q/k weights already use the half-split (rotate_half) rope layout of `layers.rope`, so
-no permutation is needed.
+HF Llama's and Mixtral's q/k weights already use the half-split (rotate_half) rope layout of
+`layers.rope`, so no permutation is needed.
 
 Layouts (HF weights are [out, in]; ours are [in, ...out]): every matrix except the embedding maps
 as `ours = hf.T.reshape(ours_shape)`, e.g. q_proj [H*K, D] -> q [D, H, K], o_proj [D, H*K] ->
 o [H, K, D], down_proj [D, F] -> down [F, D], lm_head [V, D] -> unembed [D, V].
+
+Mixtral: the router gate.weight [E, D] -> moe/router [D, E]; expert j's w1 (gate), w3 (up) [F, D] and
+w2 (down) [D, F] -> moe/gate[j], moe/up[j] [D, F] and moe/down[j] [F, D]. Hub checkpoints and the
+default `save_pretrained` of transformers 5 store experts that way, under `block_sparse_moe.`; its
+modules (and `save_pretrained(save_original_format=False)`) fuse them under `mlp.`:
+experts.gate_up_proj [E, 2F, D] (gate rows first) and experts.down_proj [E, D, F]. Import reads
+either; export writes the per-expert hub layout, which every transformers version loads.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -30,12 +38,23 @@ LAYER_TENSORS = {
     "self_attn.k_proj.weight": ("attn", "k"),
     "self_attn.v_proj.weight": ("attn", "v"),
     "self_attn.o_proj.weight": ("attn", "o"),
-    "mlp.gate_proj.weight": ("mlp", "gate"),
-    "mlp.up_proj.weight": ("mlp", "up"),
-    "mlp.down_proj.weight": ("mlp", "down"),
     "input_layernorm.weight": ("attn_norm", "scale"),
     "post_attention_layernorm.weight": ("mlp_norm", "scale"),
 }
+DENSE_TENSORS = {"mlp.gate_proj.weight": ("mlp", "gate"), "mlp.up_proj.weight": ("mlp", "up"),
+                 "mlp.down_proj.weight": ("mlp", "down")}
+# Mixtral expert weight of model.layers.{i}.{prefix}.experts.{j}. -> our leaf under params["layers"]["moe"]
+EXPERT_TENSORS = {"w1.weight": "gate", "w3.weight": "up", "w2.weight": "down"}
+FUSED = ("experts.gate_up_proj", "experts.down_proj")  # transformers 5's [E, 2F, D] and [E, D, F]
+# What Mixtral's MoE block is in ModelConfig terms (its softmax-top-k-renormalize routing is our
+# `route` with these); export refuses an MoE config that differs.
+MIXTRAL_MOE = {"router": "softmax", "renormalize": True, "route_scale": 1.0, "n_shared_experts": 0,
+               "moe_first_dense": 0, "moe_every": 1, "bias_update_rate": 0.0}
+# config.json values that transformers assumes for absent keys (LlamaConfig / MixtralConfig)
+HF_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+               "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                           "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                           "router_aux_loss_coef": 0.001}}
 EMBED = "model.embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 # dtype name -> (safetensors code, little-endian numpy dtype) for writing; codes read
@@ -45,7 +64,11 @@ BLOCK_BYTES = 8 * 2**20  # rows copied per read or write
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-  """A ModelConfig from a LlamaConfig dict; refuses features our model does not implement."""
+  """A ModelConfig from a LlamaConfig or MixtralConfig dict; refuses features our model does not
+  implement. Mixtral's router_jitter_noise and attention_dropout act only in training: ignored."""
+  mixtral = hf.get("model_type") == "mixtral"
+  defaults = HF_DEFAULTS["mixtral" if mixtral else "llama"]
+  get = lambda key: hf[key] if hf.get(key) is not None else defaults.get(key)  # noqa: E731
   rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta and the rope type here
   scaling = hf.get("rope_scaling") or rope
   if scaling.get("rope_type", scaling.get("type", "default")) != "default":
@@ -54,25 +77,38 @@ def config_from_hf(hf: dict) -> ModelConfig:
     raise ValueError("attention_bias / mlp_bias are not supported")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+  window, max_pos = hf.get("sliding_window"), get("max_position_embeddings")
+  if window is not None and window < max_pos:  # transformers masks keys more than window - 1 back
+    raise ValueError(f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
+                     "attention is not supported")
   heads = hf["num_attention_heads"]
-  # Defaults below are LlamaConfig's, for keys a config.json may omit.
-  return ModelConfig(
+  cfg = ModelConfig(
       vocab_size=hf["vocab_size"],
       d_model=hf["hidden_size"],
       n_layers=hf["num_hidden_layers"],
       n_heads=heads,
-      n_kv_heads=hf.get("num_key_value_heads") or heads,
+      n_kv_heads=get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       d_ff=hf["intermediate_size"],
-      max_seq_len=hf.get("max_position_embeddings", 2048),
-      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+      max_seq_len=max_pos,
+      rope_theta=float(rope.get("rope_theta") or get("rope_theta")),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      norm_eps=float(get("rms_norm_eps")),
   )
+  if not mixtral:
+    return cfg
+  e, k = get("num_local_experts"), get("num_experts_per_tok")
+  if not 1 <= k <= e:
+    raise ValueError(f"num_experts_per_tok={k} must be in [1, num_local_experts={e}]")
+  # HF's load-balancing loss counts a token's k assignments against 1 (ours against k): k times ours.
+  return dataclasses.replace(cfg, n_experts=e, top_k=k, d_ff_expert=cfg.d_ff, dispatch="dropless",
+                             aux_loss_weight=k * float(get("router_aux_loss_coef")), **MIXTRAL_MOE)
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
-  return {
+  """config.json of a LlamaForCausalLM, or of a MixtralForCausalLM for an MoE config; ValueError
+  (one line) for an MoE config that Mixtral cannot express."""
+  out = {
       "architectures": ["LlamaForCausalLM"],
       "model_type": "llama",
       "torch_dtype": dtype,
@@ -92,6 +128,19 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
       "attention_bias": False,
       "mlp_bias": False,
   }
+  if not cfg.n_experts:
+    return out
+  bad = [f"{key}={getattr(cfg, key)!r}" for key, want in MIXTRAL_MOE.items() if getattr(cfg, key) != want]
+  if bad:
+    need = ", ".join(f"{key}={want!r}" for key, want in MIXTRAL_MOE.items())
+    raise ValueError(f"a Mixtral checkpoint cannot express {', '.join(bad)} (it needs {need})")
+  for key in ("rope_scaling", "attention_bias", "mlp_bias"):
+    del out[key]
+  return {**out, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+          "intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.n_experts,
+          "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.aux_loss_weight / cfg.top_k,
+          "router_jitter_noise": 0.0, "sliding_window": None,
+          "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -101,22 +150,45 @@ def param_shapes(cfg: ModelConfig) -> dict:
   return jax.tree.map(lambda x: x.shape, _unbox(abstract), is_leaf=lambda x: isinstance(x, tuple))
 
 
-def leaf_plan(cfg: ModelConfig):
-  """(our path, leaf shape, [(hf name, layer index or None), ...]) for every parameter leaf, in
-  order; a stacked [layers, ...] leaf comes from one HF tensor per layer."""
-  shapes = param_shapes(cfg)
-  plan = [(("embed",), shapes["embed"], [(EMBED, None)])]
-  for suffix, path in LAYER_TENSORS.items():
-    plan.append((("layers",) + path, get_at(shapes["layers"], path),
-                 [(f"model.layers.{i}.{suffix}", i) for i in range(cfg.n_layers)]))
-  plan.append((("final_norm", "scale"), shapes["final_norm"]["scale"], [("model.norm.weight", None)]))
+def leaf_plan(cfg: ModelConfig, moe_prefix: str = "block_sparse_moe", fused: bool = False):
+  """(our path, leaf shape, [(hf name, index, half), ...]) for every parameter leaf, in order. Each
+  HF tensor fills leaf[index]: a stacked [layers, ...] leaf takes one per layer, a Mixtral expert leaf
+  [layers, E, ...] one per layer and expert (or one fused per layer, whose gate or up rows `half`
+  0 or 1 picks). `moe_prefix` and `fused` choose the Mixtral layout (see the module docstring)."""
+  shapes, layers = param_shapes(cfg), range(cfg.n_layers)
+  stacked = lambda path, sources: (("layers",) + path, get_at(shapes["layers"], path), sources)  # noqa: E731
+  per_layer = {**LAYER_TENSORS,
+               **({f"{moe_prefix}.gate.weight": ("moe", "router")} if cfg.n_experts else DENSE_TENSORS)}
+  plan = [(("embed",), shapes["embed"], [(EMBED, (), None)])]
+  plan += [stacked(path, [(f"model.layers.{i}.{suffix}", (i,), None) for i in layers])
+           for suffix, path in per_layer.items()]
+  for suffix, ours in EXPERT_TENSORS.items() if cfg.n_experts else ():
+    if fused:
+      sources = [(f"model.layers.{i}.{moe_prefix}.{FUSED[ours == 'down']}", (i,), {"gate": 0, "up": 1}.get(ours))
+                 for i in layers]
+    else:
+      sources = [(f"model.layers.{i}.{moe_prefix}.experts.{j}.{suffix}", (i, j), None)
+                 for i in layers for j in range(cfg.n_experts)]
+    plan.append(stacked(("moe", ours), sources))
+  plan.append((("final_norm", "scale"), shapes["final_norm"]["scale"], [("model.norm.weight", (), None)]))
   if not cfg.tie_embeddings:
-    plan.append((("unembed",), shapes["unembed"], [("lm_head.weight", None)]))
+    plan.append((("unembed",), shapes["unembed"], [("lm_head.weight", (), None)]))
   return plan
 
 
+def moe_layout(index: dict) -> dict:
+  """leaf_plan's Mixtral layout arguments for the tensor names of a checkpoint."""
+  fused = any(name.endswith(FUSED[0]) for name in index)
+  native = any(".mlp.gate.weight" in name or ".mlp.experts." in name for name in index)
+  return {"moe_prefix": "mlp" if native else "block_sparse_moe", "fused": fused}
+
+
 def hf_shape(name: str, shape) -> tuple:
-  """HF's [out, in] shape for our tensor `name` of `shape` (embedding and norms keep theirs)."""
+  """HF's [out, in] shape for our tensor `name` of `shape` (embedding and norms keep theirs); a fused
+  expert tensor is [E, out, in], gate_up_proj with 2F rows (gate, then up) for our [E, D, F]."""
+  if name.endswith(FUSED):
+    e, n_in, n_out = shape
+    return (e, 2 * n_out if name.endswith(FUSED[0]) else n_out, n_in)
   if name == EMBED or len(shape) == 1:
     return tuple(shape)
   n_in = 2 if name.endswith("o_proj.weight") else 1  # o [H, K, D]: heads and head dim are its input
@@ -124,7 +196,10 @@ def hf_shape(name: str, shape) -> tuple:
 
 
 def to_hf(name: str, w):
-  """Our tensor `w` in HF's layout: a view when `w` is contiguous (writable for a numpy array)."""
+  """Our tensor `w` in HF's layout: a view when `w` is contiguous (writable for a numpy array). For
+  a fused expert tensor, the [E, out, in] view of its part (gate_up_proj: our gate or up)."""
+  if name.endswith(FUSED):
+    return w.swapaxes(-1, -2)
   return w if name == EMBED else w.reshape(hf_shape(name, w.shape)[::-1]).T
 
 
@@ -138,7 +213,7 @@ def read_config(hf_dir: str) -> ModelConfig:
     try:
       return config_from_hf(json.load(f))
     except KeyError as e:
-      raise ValueError(f"{hf_dir}/config.json is not a HF Llama config (it lacks {e})") from None
+      raise ValueError(f"{hf_dir}/config.json is not a HF Llama or Mixtral config (it lacks {e})") from None
 
 
 def tensor_index(hf_dir: str) -> dict:
@@ -167,15 +242,15 @@ def tensor_index(hf_dir: str) -> dict:
 
 def check_tensors(cfg: ModelConfig, index: dict, hf_dir: str) -> None:
   """ValueError unless `index` holds exactly the tensors of `cfg`, with their shapes."""
-  plan = leaf_plan(cfg)
+  plan = leaf_plan(cfg, **moe_layout(index))
   for _, shape, sources in plan:
-    for name, layer in sources:
-      want = hf_shape(name, shape if layer is None else shape[1:])
+    for name, where, _ in sources:
+      want = hf_shape(name, shape[len(where):])
       if name not in index:
         raise ValueError(f"{hf_dir} lacks tensor {name}")
       if index[name][2] != want:
         raise ValueError(f"{name} has shape {index[name][2]}, expected {want}")
-  used = {name for *_, sources in plan for name, _ in sources} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+  used = {name for *_, sources in plan for name, *_ in sources} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
   unknown = [n for n in index if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if unknown:
     raise ValueError(f"unexpected tensors in {hf_dir} (e.g. {unknown[:3]}); config and weights disagree")
@@ -186,16 +261,16 @@ def read_leaves(hf_dir: str, cfg: ModelConfig, dtype=np.float32):
   Host memory holds the leaf and one block of rows. Checks every name and shape before reading."""
   index = tensor_index(hf_dir)
   check_tensors(cfg, index, hf_dir)
-  for path, shape, sources in leaf_plan(cfg):
+  for path, shape, sources in leaf_plan(cfg, **moe_layout(index)):
     leaf = np.empty(shape, dtype)
-    for name, layer in sources:
-      _read_into(index, name, to_hf(name, leaf if layer is None else leaf[layer]))
+    for name, where, half in sources:
+      _read_into(index, name, to_hf(name, leaf[where]), half)
     yield path, leaf
     del leaf
 
 
 def import_hf(hf_dir: str):
-  """(ModelConfig, params) from a HF Llama directory; parameters come out as float32 numpy arrays."""
+  """(ModelConfig, params) from a HF Llama or Mixtral directory; parameters come out as float32 numpy arrays."""
   cfg = read_config(hf_dir)
   params = {}
   for path, leaf in read_leaves(hf_dir, cfg):
@@ -209,8 +284,9 @@ def write_hf(cfg: ModelConfig, out_dir: str, leaf_fn, dtype: str = "float32",
   tensor. `leaf_fn(path)` gives our leaf at `path`; it is called once per leaf, in `leaf_plan`
   order, and only the current leaf is held."""
   itemsize = np.dtype(SAFETENSORS_DTYPES[dtype][1]).itemsize
-  entries = [(name, path, layer, hf_shape(name, shape if layer is None else shape[1:]))
-             for path, shape, sources in leaf_plan(cfg) for name, layer in sources]
+  hf_config = config_to_hf(cfg, dtype)  # refuses an MoE config that Mixtral cannot express
+  entries = [(name, path, where, hf_shape(name, shape[len(where):]))
+             for path, shape, sources in leaf_plan(cfg) for name, where, _ in sources]
   shards, size = [[]], 0
   for entry in entries:
     nbytes = itemsize * int(np.prod(entry[3]))
@@ -223,16 +299,16 @@ def write_hf(cfg: ModelConfig, out_dir: str, leaf_fn, dtype: str = "float32",
       [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config_to_hf(cfg, dtype), f, indent=2)
+    json.dump(hf_config, f, indent=2)
   held = {}  # the one leaf alive: {path: leaf}
 
   def tensors(shard):
-    for name, path, layer, _ in shard:
+    for name, path, where, _ in shard:
       if path not in held:
         held.clear()  # drop the previous leaf before reading the next
         held[path] = leaf_fn(path)
       leaf = held[path]
-      yield name, to_hf(name, np.asarray(leaf if layer is None else leaf[layer]))
+      yield name, to_hf(name, np.asarray(leaf)[where])
       del leaf  # else this frame would keep the leaf alive while the next one is read
 
   for fname, shard in zip(names, shards):
@@ -247,13 +323,14 @@ def write_hf(cfg: ModelConfig, out_dir: str, leaf_fn, dtype: str = "float32",
 
 def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 * 2**30,
               dtype: str = "float32") -> None:
-  """Writes params (numpy or jax arrays) as a HF Llama directory; see write_hf."""
+  """Writes params (numpy or jax arrays) as a HF Llama (or, for an MoE config, Mixtral) directory;
+  see write_hf."""
   params = _unbox(params)
   write_hf(cfg, out_dir, lambda path: get_at(params, path), dtype, max_shard_bytes)
 
 
 def load_pretrained(path: str):
-  """(cfg, params, apply_fn) from a HF Llama directory, or from a jaxtrain workdir or checkpoint
+  """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or checkpoint
   tier (its newest step's params, read with Orbax partial restore);
   apply_fn(params, tokens_BL) -> logits_BLV."""
   if is_hf_dir(path):
@@ -265,19 +342,35 @@ def load_pretrained(path: str):
   return cfg, params, lambda p, tokens_BL: model.apply({"params": p}, tokens_BL)
 
 
-def _read_into(index: dict, name: str, out) -> None:
-  """Copies HF tensor `name` into `out` (an array or view of its shape; cast to out's dtype), a
-  block of rows at a time, with plain reads."""
+def _read_into(index: dict, name: str, out, half: int | None = None) -> None:
+  """Copies HF tensor `name` (or, with `half`, the gate or up rows of a fused [E, 2F, D] tensor)
+  into `out`, an array or view of that shape (cast to out's dtype), with plain reads."""
   path, code, shape, offset = index[name]
   dtype = READ_DTYPES[code]
-  rows = max(1, BLOCK_BYTES // (dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))))
   with open(path, "rb") as f:
-    f.seek(offset)
-    for r in range(0, shape[0], rows):
-      block = np.empty((min(rows, shape[0] - r), *shape[1:]), dtype)
-      if f.readinto(memoryview(block.reshape(-1).view(np.uint8))) != block.nbytes:
-        raise ValueError(f"{path} ends inside tensor {name}")
-      out[r:r + len(block)] = block
+    if half is None:
+      _read_block_rows(f, offset, shape, dtype, out, name)
+    else:  # expert e's half is one contiguous [F, D] run
+      row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+      for e in range(shape[0]):
+        _read_block_rows(f, offset + e * row + half * row // 2, out.shape[1:], dtype, out[e], name)
+
+
+def _read_block_rows(f, offset: int, shape, dtype, out, name: str) -> None:
+  """The C-ordered array of `shape` at byte `offset` of file f into `out`, a block of rows at a
+  time; a row larger than a block (3-d and up) is read the same way, row by row."""
+  row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+  if len(shape) > 2 and row > BLOCK_BYTES:
+    for r in range(shape[0]):
+      _read_block_rows(f, offset + r * row, shape[1:], dtype, out[r], name)
+    return
+  rows = max(1, BLOCK_BYTES // row)
+  f.seek(offset)
+  for r in range(0, shape[0], rows):
+    block = np.empty((min(rows, shape[0] - r), *shape[1:]), dtype)
+    if f.readinto(memoryview(block.reshape(-1).view(np.uint8))) != block.nbytes:
+      raise ValueError(f"{f.name} ends inside tensor {name}")
+    out[r:r + len(block)] = block
 
 
 def _write_safetensors(path: str, header_entries, tensors, dtype: str = "float32") -> None:
