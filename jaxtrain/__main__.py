@@ -48,8 +48,8 @@ def parse(argv):
   sample.add_argument("--temperature", type=float, default=None)
   sample.add_argument("--top_k", type=int, default=None)
   sample.add_argument("--seed", type=int, default=0)
-  convert = sub.add_parser("convert", help="HF Llama safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
-  convert.add_argument("--from_hf", metavar="HF_DIR", help="a HF Llama directory (config.json + *.safetensors)")
+  convert = sub.add_parser("convert", help="HF Llama/Mixtral safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
+  convert.add_argument("--from_hf", metavar="HF_DIR", help="a HF Llama or Mixtral directory (config.json + *.safetensors)")
   convert.add_argument("--to", metavar="WORKDIR",
                        help="with --from_hf: the workdir to create (config.json, checkpoints/0)")
   convert.add_argument("--from", dest="from_dir", metavar="DIR", help="a workdir or checkpoint tier directory")

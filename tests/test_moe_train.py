@@ -124,6 +124,13 @@ def test_moe_run_logs_router_metrics_and_resumes_bitwise_with_its_expert_bias(tm
   assert [r["loss"] for r in again] == [r["loss"] for r in rows[2:]]
   assert [r["moe_load"] for r in again] == [r["moe_load"] for r in rows[2:]]
 
+  # load_pretrained binds the trained expert biases (they choose the experts) into apply
+  from jaxtrain.checkpoint import convert
+  bias = jax.tree.leaves(convert.load_extra(straight))
+  assert len(bias) == 1 and bias[0].shape == (2, 8) and np.any(bias[0] != 0)
+  _, params, apply = jaxtrain.load_pretrained(straight)
+  assert np.all(np.isfinite(apply(params, jnp.ones((1, 8), jnp.int32))))
+
 
 @pytest.mark.slow
 def test_moe_tiny_reaches_the_entropy_floor(tmp_path):

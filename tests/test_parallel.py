@@ -31,7 +31,7 @@ def loss_and_grads(mesh_sizes, rules):
                          parallel.batch_sharding(mesh))
   fn = functools.partial(accumulate_gradients, model=model, microbatches=1, z_loss=1e-4)
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
-    grads, (loss, _, _) = jax.jit(lambda p, b: fn(p, batch=b))(state.params, batches(0))
+    grads, (loss, _, _, _) = jax.jit(lambda p, b: fn(p, batch=b))(state.params, batches(0))
   spec = state.params["layers"]["mlp"]["up"].sharding.spec
   return float(loss), jax.device_get(grads), spec
 

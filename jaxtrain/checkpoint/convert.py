@@ -100,14 +100,25 @@ def params_metadata(mngr, step: int) -> dict:
   return tree["params"]
 
 
-def restore_params(mngr, step: int, tree: dict) -> dict:
-  """The leaves of `tree` (a subtree of params metadata) as numpy arrays, read with partial restore."""
+def restore_params(mngr, step: int, tree: dict, key: str = "params") -> dict:
+  """The leaves of `tree` (a subtree of the state's `key` metadata) as numpy arrays, read with partial
+  restore."""
   import jax
   import orbax.checkpoint as ocp
   item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
   restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  args = ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": restore_args}, partial_restore=True)
-  return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE]["params"]
+  args = ocp.args.PyTreeRestore(item={key: item}, restore_args={key: restore_args}, partial_restore=True)
+  return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE][key]
+
+
+def load_extra(src: str, step: int | None = None) -> dict:
+  """The non-trainable model collections (TrainState.extra, e.g. MoE expert biases) of a training
+  checkpoint's newest step (or `step`); {} when it has none (a converted model)."""
+  mngr, step = find_step(src, step)
+  tree = mngr.item_metadata(step)[STATE]
+  tree = getattr(tree, "tree", tree)
+  extra = tree.get("extra") if isinstance(tree, dict) else None
+  return restore_params(mngr, step, extra, "extra") if extra else {}
 
 
 def load_params(src: str, step: int | None = None):

@@ -332,14 +332,17 @@ def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 *
 def load_pretrained(path: str):
   """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or checkpoint
   tier (its newest step's params, read with Orbax partial restore);
-  apply_fn(params, tokens_BL) -> logits_BLV."""
+  apply_fn(params, tokens_BL) -> logits_BLV. A trained MoE's expert biases (TrainState.extra) are
+  bound into apply_fn: they choose the experts."""
+  extra = {}
   if is_hf_dir(path):
     cfg, params = import_hf(path)
   else:
     from jaxtrain.checkpoint import convert  # convert builds on this module
     cfg, params = convert.load_params(path)
+    extra = convert.load_extra(path)
   model = Transformer(cfg)
-  return cfg, params, lambda p, tokens_BL: model.apply({"params": p}, tokens_BL)
+  return cfg, params, lambda p, tokens_BL: model.apply({"params": p, **extra}, tokens_BL)
 
 
 def _read_into(index: dict, name: str, out, half: int | None = None) -> None:

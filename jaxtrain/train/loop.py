@@ -158,10 +158,7 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
   saved_path = os.path.join(workdir, "config.json")
   for name, directory in checkpoint.tier_dirs(cfg, workdir).items():
     if "://" not in directory and jax.process_index() == 0:
-      try:
-        os.makedirs(directory, exist_ok=True)
-      except OSError as e:
-        raise config_lib.ConfigError(f"checkpoint tier {name} at {directory}: {e.strerror}") from e
+      _probe_directory(f"checkpoint tier {name}", directory)
   if start_over:
     if jax.process_index() == 0:
       if os.path.isfile(saved_path):
@@ -186,6 +183,25 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
     raise config_lib.ConfigError(f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
                                  "to replace it, or use another --workdir")
+
+
+def _probe_directory(what: str, directory: str) -> None:
+  """One ConfigError line unless `directory` exists or can be created; leaves nothing behind."""
+  missing, path = [], os.path.abspath(directory)
+  while not os.path.exists(path):
+    missing.append(path)
+    path = os.path.dirname(path)
+  try:
+    for path in reversed(missing):
+      os.mkdir(path)
+    if not os.access(directory, os.W_OK):
+      raise PermissionError(13, "Permission denied")
+  except OSError as e:
+    raise config_lib.ConfigError(f"{what} at {directory}: {e.strerror}") from e
+  finally:
+    for path in missing:
+      if os.path.isdir(path):
+        os.rmdir(path)
 
 
 def _sync(name: str):

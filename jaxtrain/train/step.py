@@ -63,7 +63,8 @@ def accumulate_gradients(params, model, batch, microbatches: int, z_loss: float,
     grads, (ce, z, tokens, moe) = grad_fn(params, model, batch, z_loss, extra)
   else:
     micro = split_microbatches(batch, microbatches)
-    shapes = jax.eval_shape(grad_fn, params, model, jax.tree.map(lambda x: x[0], micro), z_loss, extra)
+    shapes = jax.eval_shape(lambda p, b: grad_fn(p, model, b, z_loss, extra), params,
+                            jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     (grads, (ce, z, tokens, moe)), _ = jax.lax.scan(body, zeros, micro)
     moe = jax.tree.map(lambda v: v / microbatches, moe)
