@@ -107,6 +107,8 @@ def main():
       cfg.train.update(batch_size=16, seq_len=1024)
       cfg.data.update(symbols=2000, max_symbols=200, stop_prob=1 / 64)
     results.append((label, time_cfg(label, cfg, args.steps)))
+    r = results[-1][1]
+    print(f"{label}: step {r['step_time_s'] * 1e3:.1f} ms, {r['tokens_per_sec']:,.0f} tokens/s", flush=True)
   peak = max(peak_before, metrics.measure_matmul_peak())
   if jax.default_backend() != "cpu":
     peak = metrics.peak_flops("bfloat16")[0]
