@@ -76,12 +76,15 @@ def main():
   parser.add_argument("--saves", type=int, default=3)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--dir", default="", help="where to write (default: a temporary directory)")
+  parser.add_argument("--batch_size", type=int, default=0, help="override train.batch_size (0: the config's)")
   parser.add_argument("--no_ocdbt", action="store_true", help="checkpoint.ocdbt=False (a zarr3 dir per array)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
 
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{args.config}.py"))
   cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
+  if args.batch_size:
+    cfg.train.batch_size = args.batch_size
   root = tempfile.mkdtemp(dir=args.dir or None)
   cfg.checkpoint.update(dir=os.path.join(root, "checkpoints"), keep=args.saves + 1, ocdbt=not args.no_ocdbt)
   devices = jax.devices()[:1]
@@ -127,7 +130,8 @@ def main():
       "",
       *machine_lines(),
       f"- command: `python benchmarks/checkpoint.py --config {args.config} --saves {args.saves}"
-      f"{' --dir ' + args.dir if args.dir else ''}{' --no_ocdbt' if args.no_ocdbt else ''}`",
+      f"{' --dir ' + args.dir if args.dir else ''}{' --no_ocdbt' if args.no_ocdbt else ''}"
+      f"{f' --batch_size {args.batch_size}' if args.batch_size else ''}`",
       f"- state: {args.config}, params + AdamW moments, {nbytes / 1e6:.0f} MB float32, one device, "
       f"{'zarr3 per array' if args.no_ocdbt else 'OCDBT'}, uncompressed; {args.saves} repeats of: "
       f"{args.steps} steps, an async save (the loop's call), a {nbytes / 1e6:.0f} MB fsync'd write probe, a "

@@ -14,13 +14,13 @@ mkdir -p "$OUT"
 cat "$OUT/env.txt"
 
 # 1. train-step MFU against the datasheet bf16 peak
-timeout 130 python3 benchmarks/train_step.py --steps 10 --configs gpt2_small > "$OUT/train_step.md" 2> "$OUT/train_step.err"
+timeout 130 python3 benchmarks/train_step.py --steps 10 --configs gpt2_small --batch_size 16 > "$OUT/train_step.md" 2> "$OUT/train_step.err"
 tail -12 "$OUT/train_step.md"
 # 2. MoE: dense vs coarse vs fine-grained experts at one active size, on a GPU-sized model
 timeout 130 python3 benchmarks/moe.py --steps 6 --scale --no_hlo > "$OUT/moe.md" 2> "$OUT/moe.err"
 tail -12 "$OUT/moe.md"
 # 3. checkpoint cost of gpt2_small's state (1.5 GB) against its step and the local disk
-timeout 100 python3 benchmarks/checkpoint.py --config gpt2_small --saves 3 --steps 3 --dir /tmp > "$OUT/checkpoint.md" 2> "$OUT/checkpoint.err"
+timeout 100 python3 benchmarks/checkpoint.py --config gpt2_small --batch_size 16 --saves 3 --steps 3 --dir /tmp > "$OUT/checkpoint.md" 2> "$OUT/checkpoint.err"
 tail -6 "$OUT/checkpoint.md"
 # 4. the CPU test suite's fast half under jax 0.11.2 (16 cores, 8 virtual devices)
 JAX_PLATFORMS=cpu timeout 110 python3 -m pytest -q -p no:cacheprovider -m "not slow" \

@@ -26,8 +26,11 @@ from jaxtrain.model import param_count  # noqa: E402
 from jaxtrain.train import loop, state as state_lib  # noqa: E402
 
 
-def time_config(name: str, steps: int) -> dict:
-  return time_cfg(name, config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py")), steps)
+def time_config(name: str, steps: int, batch_size: int = 0) -> dict:
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  if batch_size:
+    cfg.train.batch_size = batch_size
+  return time_cfg(name, cfg, steps)
 
 
 def time_cfg(name: str, cfg, steps: int) -> dict:
@@ -69,10 +72,11 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--configs", default="tiny,small_20m")
+  parser.add_argument("--batch_size", type=int, default=0, help="override train.batch_size (0: the config's)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
   peak_before = metrics.measure_matmul_peak()
-  results = [time_config(name, args.steps) for name in args.configs.split(",")]
+  results = [time_config(name, args.steps, args.batch_size) for name in args.configs.split(",")]
   peak_after = metrics.measure_matmul_peak()
   peak = max(peak_before, peak_after)
   if jax.default_backend() != "cpu":  # accelerators: MFU against the datasheet's dense bf16 peak
@@ -84,7 +88,8 @@ def main():
       f"### Train step vs measured matmul peak ({datetime.date.today()})",
       "",
       *machine_lines(),
-      f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}`",
+      f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}"
+      f"{f' --batch_size {args.batch_size}' if args.batch_size else ''}`",
       f"- f32 matmul peak (2048^3, median of 7): {peak_before / 1e9:.1f} GFLOP/s before, "
       f"{peak_after / 1e9:.1f} after; MFU uses " + ("the higher" if jax.default_backend() == "cpu" else
                                                      f"the datasheet's bf16 peak, {peak / 1e12:.0f} TFLOP/s"),

@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 
 import jaxtrain
 from jaxtrain import metrics
@@ -84,6 +85,7 @@ def test_corpus_of_every_bad_case_trains_and_is_counted(tmp_path):
   assert r["repaired"] == {"invalid_utf8": 1, "nul": 1} and r["long_documents"] == 3
 
 
+@pytest.mark.slow  # 25 s; tests/test_model.py checks that attention never crosses documents by default
 def test_packed_row_loss_per_document_equals_documents_alone(tmp_path):
   """The pipeline's segment_ids/positions make a packed row exactly the documents run separately."""
   import flax.linen as nn

@@ -68,6 +68,7 @@ def test_tiny_reaches_entropy_floor(tmp_path):
   assert final["eval_loss"] < 1.05 * final["eval_entropy_floor"], final
 
 
+@pytest.mark.slow  # the older `bytes` kind; keeps the default suite under 10 minutes
 def test_bytes_corpus_trains_and_samples_text(tmp_path):
   corpus = tmp_path / "corpus"
   corpus.mkdir()
