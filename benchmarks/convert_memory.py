@@ -32,6 +32,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.train_step import cpu_name  # noqa: E402 (children measure themselves: the parent may import jax)
+
 BASELINE = "from jaxtrain.checkpoint import convert, hf; import orbax.checkpoint; import jax; jax.devices()"
 SHAPES = BASELINE + "; import sys; hf.leaf_plan(hf.read_config(sys.argv[1]))"
 REFERENCE = "import sys; from jaxtrain.checkpoint import hf; hf.import_hf(sys.argv[1])"
@@ -156,16 +159,6 @@ def report(args, sizes, med):
                  f"| {(extra - fixed) / sizes['largest_leaf']:.2f} | {extra / sizes['model']:.2f} | {seconds:.1f} s "
                  f"| {sizes['model'] / 1e6 / seconds:.0f} |")
   print("\n".join(lines))
-
-
-def cpu_name() -> str:
-  try:
-    for line in open("/proc/cpuinfo"):
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
