@@ -129,7 +129,8 @@ def main():
     achieved = r["flops_per_step"] / r["step_time_s"]
     per_flop = (r["step_time_s"] / r["flops_per_step"]) / (coarse["step_time_s"] / coarse["flops_per_step"])
     lines.append(f"| {label} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
-                 f"| {r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_sec']:,.0f} | {achieved / peak:.1%} | {per_flop:.2f}x |")
+                 f"| {r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_sec']:,.0f} | {achieved / peak:.1%} "
+                 f"| {per_flop:.2f}x |")
   if not args.no_hlo:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, __file__, "--hlo_only"], env=env, capture_output=True, text=True,

@@ -54,7 +54,8 @@ def time_cfg(name: str, cfg, steps: int) -> dict:
   step_time = float(np.median(times[2:]))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  return {"config": name, "params": n_params, "active_params": param_count(model.cfg, active=True), "tokens_per_step": tokens, "step_time_s": step_time,
+  return {"config": name, "params": n_params, "active_params": param_count(model.cfg, active=True),
+          "tokens_per_step": tokens, "step_time_s": step_time,
           "tokens_per_sec": tokens / step_time, "flops_per_step": loop.flops_per_token(cfg) * tokens}
 
 

@@ -48,13 +48,16 @@ def parse(argv):
   sample.add_argument("--temperature", type=float, default=None)
   sample.add_argument("--top_k", type=int, default=None)
   sample.add_argument("--seed", type=int, default=0)
-  convert = sub.add_parser("convert", help="HF Llama/Mixtral safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
-  convert.add_argument("--from_hf", metavar="HF_DIR", help="a HF Llama or Mixtral directory (config.json + *.safetensors)")
+  convert = sub.add_parser("convert",
+                           help="HF Llama/Mixtral safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
+  convert.add_argument("--from_hf", metavar="HF_DIR",
+                       help="a HF Llama or Mixtral directory (config.json + *.safetensors)")
   convert.add_argument("--to", metavar="WORKDIR",
                        help="with --from_hf: the workdir to create (config.json, checkpoints/0)")
   convert.add_argument("--from", dest="from_dir", metavar="DIR", help="a workdir or checkpoint tier directory")
   convert.add_argument("--to_hf", metavar="OUT_DIR", help="with --from: the HF directory to write")
-  convert.add_argument("--step", type=int, default=None, metavar="N", help="with --from: the step (default: the newest)")
+  convert.add_argument("--step", type=int, default=None, metavar="N",
+                       help="with --from: the step (default: the newest)")
   convert.add_argument("--dtype", choices=config_lib.DTYPES, default="float32", help="dtype of the written weights")
   inspect = sub.add_parser("inspect", help="a workdir's or tier's checkpoints, one step's tree and config")
   inspect.add_argument("dir", help="a workdir or checkpoint tier directory")

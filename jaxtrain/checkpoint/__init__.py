@@ -153,7 +153,8 @@ class Checkpoints:
     if read_only:  # Orbax warns that a read-only manager will not save, which is the point
       quiet.setLevel(logging.ERROR)
     try:
-      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=_handlers(self._compress, self._ocdbt))
+      handlers = _handlers(self._compress, self._ocdbt)
+      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
     finally:
       quiet.setLevel(level)
 

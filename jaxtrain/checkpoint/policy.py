@@ -41,7 +41,8 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
     elif skipped > self._skipped:
       reason = f"update skipped at step {step}"
     elif len(self._losses) >= 8 and loss > (1 + self.spike) * statistics.median(self._losses):
-      reason = f"loss spike at step {step}: {loss:.4g} > {1 + self.spike:g} x median {statistics.median(self._losses):.4g}"
+      median = statistics.median(self._losses)
+      reason = f"loss spike at step {step}: {loss:.4g} > {1 + self.spike:g} x median {median:.4g}"
     elif len(self._grad_norms) >= 8 and grad_norm > 3 * statistics.median(self._grad_norms):
       reason = f"grad-norm spike at step {step}: {grad_norm:.4g} > 3 x median {statistics.median(self._grad_norms):.4g}"
     self._skipped = skipped
