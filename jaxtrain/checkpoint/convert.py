@@ -53,12 +53,13 @@ def manager(tier: str):
   """A read-only Orbax manager over a tier, with the handlers of its items."""
   import orbax.checkpoint as ocp
   from absl import logging
+  from jaxtrain.checkpoint import DataStateHandler  # the package's own item (a training checkpoint's data)
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)  # it warns that the directory is read-only, as asked
   try:
     return ocp.CheckpointManager(os.path.abspath(tier), options=options, item_handlers={
-        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()})
+        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler(), "data": DataStateHandler()})
   finally:
     logging.set_verbosity(verbosity)
 
