@@ -98,13 +98,13 @@ class SaveRecord:
             "save_bytes": self.bytes, "save_total_s": seconds, "save_MBps": self.bytes / seconds / 1e6}
 
 
-def tier_dirs(cfg, workdir: str) -> dict[str, str]:
-  """{"fast": dir (when configured), "persistent": dir} of a config and workdir."""
-  k = cfg.checkpoint
+def tier_dirs(k, workdir: str) -> dict[str, str]:
+  """{"fast": dir (when configured), "persistent": dir} of a config's `checkpoint` section (a
+  ConfigDict or the plain dict of a saved config.json) and its workdir."""
   dirs = {}
-  if k.fast_dir:
-    dirs["fast"] = k.fast_dir
-  dirs["persistent"] = k.dir or os.path.join(os.path.abspath(workdir), "checkpoints")
+  if k.get("fast_dir"):
+    dirs["fast"] = k["fast_dir"]
+  dirs["persistent"] = k.get("dir") or os.path.join(os.path.abspath(workdir), "checkpoints")
   return dirs
 
 
@@ -118,7 +118,7 @@ class Checkpoints:
 
   def __init__(self, cfg, workdir: str, *, read_only: bool = False):
     k = cfg.checkpoint
-    dirs = tier_dirs(cfg, workdir)
+    dirs = tier_dirs(k, workdir)
     self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
     self.tiers: list[Tier] = []
     for name, directory in dirs.items():
@@ -168,9 +168,6 @@ class Checkpoints:
       if step is not None and (best[0] is None or step > best[0]):
         best = (step, tier)
     return best
-
-  def all_steps(self) -> dict[str, list[int]]:
-    return {t.name: list(t.manager.all_steps()) for t in self.tiers}
 
   # ---- save ----
 
@@ -253,7 +250,7 @@ class Checkpoints:
 
 def remove_tiers(cfg, workdir: str) -> None:
   """Deletes every tier's checkpoints (start over)."""
-  for directory in tier_dirs(cfg, workdir).values():
+  for directory in tier_dirs(cfg.checkpoint, workdir).values():
     path = epath.Path(_abs(directory))
     if path.exists():
       if "://" in directory:

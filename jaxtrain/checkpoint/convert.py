@@ -43,9 +43,9 @@ def tiers(src: str) -> list[tuple[str, str]]:
   if hf.is_hf_dir(src):
     raise config_lib.ConfigError(f"{src} is a Hugging Face directory; convert it with --from_hf first")
   if os.path.isfile(os.path.join(src, "config.json")):
-    k = _read_json(os.path.join(src, "config.json")).get("checkpoint", {})
-    found = [("persistent", k.get("dir") or os.path.join(src, "checkpoints"))]
-    return found + ([("fast", k["fast_dir"])] if k.get("fast_dir") else [])
+    from jaxtrain.checkpoint import tier_dirs
+    dirs = tier_dirs(_read_json(os.path.join(src, "config.json")).get("checkpoint", {}), src)
+    return sorted(dirs.items(), key=lambda item: item[0] != "persistent")  # persistent first
   return [("tier", src)]
 
 

@@ -156,7 +156,7 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
   """Refuses a workdir whose checkpoints were made by an incompatible config (one line), or, with
   `start_over`, deletes its checkpoints and logs first."""
   saved_path = os.path.join(workdir, "config.json")
-  for name, directory in checkpoint.tier_dirs(cfg, workdir).items():
+  for name, directory in checkpoint.tier_dirs(cfg.checkpoint, workdir).items():
     if "://" not in directory and jax.process_index() == 0:
       _probe_directory(f"checkpoint tier {name}", directory)
   if start_over:
