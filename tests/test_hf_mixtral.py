@@ -84,7 +84,7 @@ def test_both_layouts_exist_and_import_to_the_same_params(converted, monkeypatch
   assert fused["model.layers.1.mlp.experts.gate_up_proj"][2] == (4, 96, 64)
   assert fused["model.layers.1.mlp.experts.down_proj"][2] == (4, 64, 48)
   _, want = hf.import_hf(str(root / "hf"))
-  monkeypatch.setattr(hf, "BLOCK_BYTES", 1000)  # an expert's [2F, D] rows exceed a block: read row by row
+  monkeypatch.setattr(hf.sio, "BLOCK_BYTES", 1000)  # an expert's [2F, D] rows exceed a block: read row by row
   _, got = hf.import_hf(str(root / "fused"))
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
