@@ -172,7 +172,10 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
           os.remove(path)
     _sync("jaxtrain_start_over")
     return
-  if not os.path.isfile(saved_path):
+  # Every process must take the same branch (the probe below runs Orbax's cross-process barriers):
+  # process 0's view decides, and the broadcast is also the barrier that keeps any process from
+  # writing this run's config.json before all of them have looked.
+  if not _agreed(os.path.isfile(saved_path)):
     return
   saved = load_config(workdir)
   probe = checkpoint.Checkpoints(saved, workdir, read_only=True)
@@ -202,6 +205,14 @@ def _probe_directory(what: str, directory: str) -> None:
     for path in missing:
       if os.path.isdir(path):
         os.rmdir(path)
+
+
+def _agreed(flag: bool) -> bool:
+  """Process 0's `flag`, on every process."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 def _sync(name: str):
