@@ -27,8 +27,11 @@ VARIANTS = [  # label, config arg, model overrides
     ("coarse: 8 experts x 192 top-2, capacity 1.25", None, dict(capacity_factor=1.25)),
     ("fine: 32 experts x 48 top-8, capacity 1.25", "fine", dict(capacity_factor=1.25)),
     ("fine: 64 experts x 48 top-8, capacity 1.25", "fine", dict(n_experts=64, capacity_factor=1.25)),
-    ("coarse, dropless", None, dict(dispatch="dropless")),
-    ("fine 32/8, dropless", "fine", dict(dispatch="dropless")),
+    ("coarse, dropless (tiles)", None, dict(dispatch="dropless", grouped_matmul="tiles")),
+    ("fine 32/8, dropless (tiles)", "fine", dict(dispatch="dropless", grouped_matmul="tiles")),
+    ("fine 64/8, dropless (tiles)", "fine", dict(n_experts=64, dispatch="dropless", grouped_matmul="tiles")),
+    ("coarse, dropless (ragged_dot)", None, dict(dispatch="dropless", grouped_matmul="ragged_dot")),
+    ("fine 32/8, dropless (ragged_dot)", "fine", dict(dispatch="dropless", grouped_matmul="ragged_dot")),
 ]
 
 
@@ -77,8 +80,14 @@ SCALED_VARIANTS = [
     ("coarse: 8 experts x 2048 top-2, capacity 1.25", dict(n_experts=8, top_k=2, d_ff_expert=2048)),
     ("fine: 32 experts x 512 top-8, capacity 1.25", dict(n_experts=32, top_k=8, d_ff_expert=512)),
     ("fine: 64 experts x 512 top-8, capacity 1.25", dict(n_experts=64, top_k=8, d_ff_expert=512)),
-    ("coarse, dropless", dict(n_experts=8, top_k=2, d_ff_expert=2048, dispatch="dropless")),
-    ("fine 32/8, dropless", dict(n_experts=32, top_k=8, d_ff_expert=512, dispatch="dropless")),
+    ("coarse, dropless (tiles)", dict(n_experts=8, top_k=2, d_ff_expert=2048, dispatch="dropless",
+                                      grouped_matmul="tiles")),
+    ("fine 32/8, dropless (tiles)", dict(n_experts=32, top_k=8, d_ff_expert=512, dispatch="dropless",
+                                         grouped_matmul="tiles")),
+    ("coarse, dropless (ragged_dot)", dict(n_experts=8, top_k=2, d_ff_expert=2048, dispatch="dropless",
+                                           grouped_matmul="ragged_dot")),
+    ("fine 32/8, dropless (ragged_dot)", dict(n_experts=32, top_k=8, d_ff_expert=512, dispatch="dropless",
+                                              grouped_matmul="ragged_dot")),
 ]
 
 

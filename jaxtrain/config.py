@@ -9,6 +9,7 @@ import ml_collections
 PRESETS = ("dp", "fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep")
 ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("dropless", "capacity")
+GROUPED_MATMUL = ("auto", "tiles", "ragged_dot")
 REMAT = ("none", "dots", "full")
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -53,6 +54,7 @@ def default_config() -> ml_collections.ConfigDict:
   m.renormalize = True  # top-k gate weights divided by their sum
   m.route_scale = 1.0  # routed output multiplied by this (DeepSeek-V3: 2.5)
   m.dispatch = "dropless"  # one of DISPATCH: sorted grouped matmul, or capacity buffers that drop
+  m.grouped_matmul = "auto"  # dropless, one of GROUPED_MATMUL: auto = ragged_dot on TPU, tiles elsewhere
   m.capacity_factor = 1.25  # capacity: slots per expert = ceil(factor * tokens * top_k / n_experts)
   m.moe_first_dense = 0  # the first n layers keep a dense MLP
   m.moe_every = 1  # after those, every k-th layer is MoE (1 = all)
@@ -182,6 +184,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("data.bad_utf8", d.bad_utf8, BAD_UTF8)
   _check_choice("model.router", m.router, ROUTERS)
   _check_choice("model.dispatch", m.dispatch, DISPATCH)
+  _check_choice("model.grouped_matmul", m.grouped_matmul, GROUPED_MATMUL)
   shape = mesh_shape(cfg, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len"):

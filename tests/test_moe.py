@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import parallel
 from jaxtrain.model.mlp import Mlp
+from jaxtrain.model import moe
 from jaxtrain.model.moe import MoeMlp, capacity_slots
 from jaxtrain.model.transformer import ModelConfig
 from tests.conftest import tiny_config
@@ -171,14 +172,38 @@ def test_one_expert_equals_mlp():
     dict(router="softmax"),
     dict(router="sigmoid", renormalize=False, route_scale=2.5, n_shared_experts=1, d_ff_expert=12,
          bias_update_rate=0.01),
+    dict(router="sigmoid", bias_update_rate=0.01, grouped_matmul="tiles", skew=("expert_bias",)),
+    dict(grouped_matmul="ragged_dot"),
 ])
 def test_dropless_equals_reference(variant):
-  cfg = dataclasses.replace(BASE, **variant)
+  cfg = dataclasses.replace(BASE, **{k: v for k, v in variant.items() if k != "skew"})
   variables, x, valid, ct = make(cfg, bias_scale=0.3)
+  if "expert_bias" in variant.get("skew", ()):  # most tokens pick experts 0 and 1: each spans several tiles
+    variables["moe_state"]["expert_bias"] = jnp.asarray([3.0, 3.0] + [0.0] * (cfg.n_experts - 2))
   selected, _ = check_against_reference(cfg, variables, x, valid, ct)
   if cfg.bias_update_rate:  # the bias really moved the selection (and the reference took gates unbiased)
     unbiased = {"params": variables["params"]}
     assert (np.sort(ref_select(cfg, unbiased, x), -1) != np.sort(selected, -1)).any()
+
+
+def test_tile_layout_is_a_padded_sort():
+  """Every real assignment gets its own row inside its expert's tiles, rows map back, T is a bound."""
+  rng = np.random.default_rng(3)
+  n_experts, tile = 4, 8
+  experts = np.where(rng.uniform(size=60) < 0.2, n_experts, rng.choice(n_experts, 60, p=[0.7, 0.1, 0.1, 0.1]))
+  max_rows = int((experts < n_experts).sum())
+  t = jax.tree.map(np.asarray, jax.jit(moe.tile_layout, static_argnums=(1, 2, 3))(
+      jnp.asarray(experts, jnp.int32), n_experts, max_rows, tile))
+  real = np.flatnonzero(experts < n_experts)
+  rows = t.row_A[real]
+  assert len(set(rows)) == len(rows)
+  np.testing.assert_array_equal(t.expert_T[rows // tile], experts[real])  # a row sits in its expert's tile
+  np.testing.assert_array_equal(t.source_P[rows], real)
+  assert t.filled_P.sum() == len(real) and len(t.filled_P) == (-(-max_rows // tile) + n_experts) * tile
+  counts = np.bincount(experts[real], minlength=n_experts)
+  assert counts[0] > 2 * tile  # expert 0 really spans several tiles
+  np.testing.assert_array_equal(np.bincount(t.expert_T[:(-(-counts // tile)).sum()], minlength=n_experts),
+                                -(-counts // tile))
 
 
 def test_capacity_without_drops_equals_reference():
@@ -195,7 +220,7 @@ def test_capacity_drops_by_priority():
   selected = ref_select(cfg, variables, x)
   keep = ref_keep(selected, np.asarray(valid), cfg.n_experts, cfg.capacity_factor)
   slots = jax.jit(capacity_slots, static_argnums=(2, 3))
-  _, keep_RA, _ = slots(jnp.asarray(selected, jnp.int32), valid, cfg.n_experts, cfg.capacity_factor)
+  keep_RA = slots(jnp.asarray(selected, jnp.int32), valid, cfg.n_experts, cfg.capacity_factor).keep_RA
   np.testing.assert_array_equal(np.swapaxes(np.asarray(keep_RA).reshape(3, cfg.top_k, 8), 1, 2), keep)
   _, stats = check_against_reference(cfg, variables, x, valid, ct, keep)
   assert 0.1 < stats["dropped"] < 0.9  # the rule was exercised both ways

@@ -26,7 +26,7 @@ FORMAT = 1
 STATE, META = "state", "meta"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
-            "dispatch", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight", "router_z_weight",
+            "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight", "router_z_weight",
             "bias_update_rate")  # shown only for a mixture-of-experts model
 TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", "optim.name", "optim.lr",
               "optim.schedule", "checkpoint.every_steps", "checkpoint.dir", "checkpoint.fast_dir",

@@ -50,6 +50,7 @@ class ModelConfig:
   renormalize: bool = True
   route_scale: float = 1.0
   dispatch: str = "dropless"
+  grouped_matmul: str = "auto"
   capacity_factor: float = 1.25
   moe_first_dense: int = 0
   moe_every: int = 1
