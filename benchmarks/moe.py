@@ -1,11 +1,12 @@
 """MoE throughput per active FLOP: dense vs coarse (8 experts, top-2) vs fine-grained experts at the
 same active size, and the collectives of the expert-parallel step.
 
-  python benchmarks/moe.py [--steps 5] [--record] [--no_hlo]
+  python benchmarks/moe.py [--steps 3] [--rounds 3] [--record] [--no_hlo] [--scale] [--only 1,2]
 
-Timing: each config's jitted train step on one device (the loop's own), median of `steps` steps
-after 2 warm-up steps; MFU counts active parameters only, against the matmul peak measured in the
-same run. Collectives: the moe_tiny train step compiled for 2 data x 4 expert virtual CPU devices
+Timing: each variant's jitted train step on one device (the loop's own), compiled and warmed up
+first, then `rounds` rounds in which every variant runs `steps` steps in turn (a slow spell of a
+shared machine then hits every variant alike); the median of its steps. MFU counts active
+parameters only, against the matmul peak measured in the same run. Collectives: the moe_tiny train step compiled for 2 data x 4 expert virtual CPU devices
 (in a subprocess, which needs XLA_FLAGS set before jax starts); every all-to-all and all-gather of
 the optimized HLO is listed with its operand size, next to the size of the batch's activations and
 of one layer's expert weights.
@@ -16,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -91,9 +93,48 @@ SCALED_VARIANTS = [
 ]
 
 
+class Stepper:
+  """One variant's jitted train step on one device (the loop's own), compiled and warmed up."""
+
+  def __init__(self, cfg):
+    import flax.linen as nn
+    import jax
+    from jaxtrain import data, parallel
+    from jaxtrain.model import param_count
+    from jaxtrain.train import loop, state as state_lib
+    cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
+    mesh, model, tx, schedule = loop.build(cfg, jax.devices()[:1])
+    self.state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
+    batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
+                           parallel.batch_sharding(mesh))
+    self.context = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
+    mesh_ctx, rules_ctx = self.context()
+    with mesh_ctx, rules_ctx:
+      self.train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
+    self.batch = batches(0)
+    self.tokens = cfg.train.batch_size * cfg.train.seq_len
+    self.sizes = {"params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params)),
+                  "active_params": param_count(model.cfg, active=True),
+                  "flops_per_step": loop.flops_per_token(cfg) * self.tokens}
+    for _ in range(2):
+      self.step()
+
+  def step(self) -> float:
+    """Seconds of one step, to its metrics on the host."""
+    import jax
+    mesh_ctx, rules_ctx = self.context()
+    with mesh_ctx, rules_ctx:
+      t = time.perf_counter()
+      self.state, metrics = self.train_fn(self.state, self.batch)
+      jax.block_until_ready(metrics)
+      return time.perf_counter() - t
+
+
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=3, help="steps per variant and round")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--only", default="", help="comma-separated indices of the variants to run")
   parser.add_argument("--record", action="store_true")
   parser.add_argument("--no_hlo", action="store_true")
   parser.add_argument("--scale", action="store_true", help="d 1024 / 16 x 1024 tokens / bf16 (accelerators)")
@@ -104,29 +145,42 @@ def main():
     return
 
   import jax
-  from benchmarks.train_step import machine_lines, publish, time_cfg
+  from benchmarks.train_step import machine_lines, publish
   from jaxtrain import config as config_lib, metrics
   peak_before = metrics.measure_matmul_peak()
-  results = []
   variants = [(label, None, {**SCALED, **o}) for label, o in SCALED_VARIANTS] if args.scale else VARIANTS
+  if args.only:
+    variants = [variants[int(i)] for i in args.only.split(",")]
+  steppers = []
   for label, arg, overrides in variants:
     cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py") + (f":{arg}" if arg else ""))
     cfg.model.update(overrides)
     if args.scale:
       cfg.train.update(batch_size=16, seq_len=1024)
       cfg.data.update(symbols=2000, max_symbols=200, stop_prob=1 / 64)
-    results.append((label, time_cfg(label, cfg, args.steps)))
-    r = results[-1][1]
-    print(f"{label}: step {r['step_time_s'] * 1e3:.1f} ms, {r['tokens_per_sec']:,.0f} tokens/s", flush=True)
+    steppers.append((label, Stepper(cfg)))
+    print(f"compiled {label}", flush=True)
+  times = {label: [] for label, _ in steppers}
+  for _ in range(args.rounds):  # rounds in turn: a slow spell of a shared machine hits every variant
+    for label, stepper in steppers:
+      times[label] += [stepper.step() for _ in range(args.steps)]
+      print(f"  {label}: {np.median(times[label]) * 1e3:.1f} ms so far", flush=True)
+  results = []
+  for label, stepper in steppers:
+    step_time = float(np.median(times[label]))
+    results.append((label, {**stepper.sizes, "step_time_s": step_time,
+                            "tokens_per_sec": stepper.tokens / step_time}))
+    print(f"{label}: step {step_time * 1e3:.1f} ms, {stepper.tokens / step_time:,.0f} tokens/s", flush=True)
   peak = max(peak_before, metrics.measure_matmul_peak())
   if jax.default_backend() != "cpu":
     peak = metrics.peak_flops("bfloat16")[0]
-  coarse = results[1][1]
+  coarse = next(r for label, r in results if label.startswith("coarse"))
   lines = [
       "### MoE: dense vs coarse vs fine-grained experts at equal active size", "",
       *machine_lines(),
-      f"- command: `python benchmarks/moe.py --steps {args.steps}{' --scale' if args.scale else ''}`; medians of "
-      f"{args.steps} steps, one device, " + ("batch 16 x 1024 tokens, d 1024, 4 layers, bf16" if args.scale else
+      f"- command: `python benchmarks/moe.py --steps {args.steps} --rounds {args.rounds}"
+      f"{' --scale' if args.scale else ''}`; medians of {args.rounds} rounds x {args.steps} steps, the variants "
+      f"timed in turn each round (compiled and warmed up first), one device, " + ("batch 16 x 1024 tokens, d 1024, 4 layers, bf16" if args.scale else
                                            "batch 32 x 128 tokens (moe_tiny)") +
       f"; MFU on active parameters vs " + (f"the f32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in the same run"
                                            if jax.default_backend() == "cpu" else

@@ -26,10 +26,12 @@ exchanges tokens with all_to_all over that axis:
 Speed. Dispatch and combine are row gathers whose transposes are gathers too (`_take`; XLA would
 transpose them to scatter-adds). Expert matmuls are dense batched [E, M, D] einsums (capacity) or
 the same over tiles of one expert's rows with each tile's weights gathered (dropless "tiles", the
-block-sparse form of MegaBlocks in plain XLA). jax.lax.ragged_dot is the other dropless grouped
-matmul ("ragged_dot"; the default on TPU, which lowers it natively): XLA:CPU lowers it to a dense
-masked matmul over all groups (E x the FLOPs of the real rows), and on an H200 (jax 0.11.2) it ran at
-78 TFLOP/s with 8 groups and 9 with 64, where a batched einsum of the same shapes ran at ~400.
+block-sparse form of MegaBlocks in plain XLA; the default off TPU). jax.lax.ragged_dot is the other
+dropless grouped matmul ("ragged_dot", the default on TPU, which lowers it natively): XLA:CPU lowers
+it to a dense masked matmul over all groups (E x the FLOPs of the real rows), and on an H200 (jax
+0.11.2) the fine-grained step with it took 2.5x as long as with tiles. Tiles pay for gathering
+T x 3 x D x F weights: at D 1024, F 2048 that dominates (dropless 2.4x the capacity step on the
+H200), and larger tiles for large D x F are the next lever there.
 benchmarks/moe.py measures them side by side.
 
 Extra shape letters here: k routing choices, A = k * S assignments of S tokens, M grouped-matmul rows,
@@ -311,7 +313,7 @@ def _dispatch_dropless(x_SD, experts_Sk, gates_Sk, weights, cfg, exchange, n_sha
   flat = lambda t: t.reshape((n_shards * s,) + t.shape[2:])
   max_rows = n_shards * s * min(cfg.top_k, local)
   how = cfg.grouped_matmul
-  if how == "auto":
+  if how == "auto":  # measured: tiles faster on CPU and on an H200 (benchmarks/RESULTS.md)
     how = "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
   y_MD = _dropless(flat(x_XSD), flat(ids_XSk), flat(gates_XSk), weights, local, max_rows, how)
   y_XSD = exchange(y_MD.astype(x_SD.dtype).reshape(n_shards, s, d), 0)
