@@ -245,8 +245,8 @@ def _gather_sum(src_ND, index_MK, mask_MK):
 
 @jax.custom_vjp
 def _take(src_ND, index_MK, mask_MK, inverse_NK, inverse_mask_NK):
-  """`_gather_sum` for a partial one-to-one map between the (m, K) pairs and src rows, whose inverse
-  lists for each src row n the flat pairs m * K + K reading it: the transpose is then a gather the
+  """`_gather_sum` for a partial one-to-one map between the (m, j) pairs and src rows, whose inverse
+  lists for each src row n the flat pairs m * K + j reading it: the transpose is then a gather the
   other way. (XLA transposes a gather to a scatter-add, which runs serially on CPU and with atomics
   on GPU, and cannot know that the indices are unique.)"""
   return _gather_sum(src_ND, index_MK, mask_MK)
@@ -267,9 +267,8 @@ _take.defvjp(_take_fwd, _take_bwd)
 
 def _combine(out_QD, gates_Nk, slot_Nk, keep_Nk, pair_Q, filled_Q):
   """y[n] = sum over its kept choices j of gate[n, j] * out[slot[n, j]], in float32; slot q holds
-  the pair pair_Q = n * k + j when filled. Gates are applied per slot, so the gather
-  and the sum over k fuse and no [N, k, D] array is made."""
-  n, k = gates_Nk.shape
+  the pair pair_Q = n * k + j when filled. Gates are applied per slot, so the gather and the sum
+  over k fuse and no [N, k, D] array is made."""
   gate_Q = _take(gates_Nk.reshape(-1, 1), pair_Q[:, None], filled_Q[:, None], slot_Nk.reshape(-1, 1),
                  keep_Nk.reshape(-1, 1))
   return _take(out_QD.astype(jnp.float32) * gate_Q, slot_Nk, keep_Nk, pair_Q[:, None], filled_Q[:, None])
