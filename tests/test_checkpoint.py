@@ -80,6 +80,7 @@ def test_tiers_newest_complete_step_wins_and_the_persistent_tier_survives(tmp_pa
   jax.tree.map(np.testing.assert_array_equal, final_params(straight)[1], final_params(run)[1])
 
 
+@pytest.mark.slow  # ~50 s on 2 cores (five short trainings); kept out of the default suite's 10 minutes
 def test_an_incompatible_workdir_is_refused_unless_starting_over(tmp_path):
   workdir, one = str(tmp_path / "run"), dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
   jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0)), workdir, **one)

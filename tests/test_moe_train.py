@@ -101,6 +101,7 @@ def test_balancing_loss_and_expert_bias_each_reduce_imbalance():
     assert first == start and balanced < 0.7 * control and balanced < 2.5, (aux_weight, bias_rate, balanced)
 
 
+@pytest.mark.slow  # ~50 s on 2 cores (two expert-parallel trainings); kept out of the default suite's 10 minutes
 def test_moe_run_logs_router_metrics_and_resumes_bitwise_with_its_expert_bias(tmp_path):
   cfg = tiny_config(model={**MOE, "bias_update_rate": 1e-2, "dispatch": "capacity", "capacity_factor": 1.0},
                     train=dict(steps=4, eval_every=2), checkpoint=dict(every_steps=2),
