@@ -16,6 +16,8 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 from jaxtrain import __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf  # noqa: E402
+from jaxtrain.checkpoint import safetensors_io  # noqa: E402
+from jaxtrain.checkpoint.safetensors_io import tensor_index  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 torch.set_grad_enabled(False)
@@ -78,13 +80,13 @@ def test_routing_is_decisive_and_uses_every_expert(converted):
 
 def test_both_layouts_exist_and_import_to_the_same_params(converted, monkeypatch):
   root, _, _ = converted
-  hub, fused = hf.tensor_index(str(root / "hf")), hf.tensor_index(str(root / "fused"))
+  hub, fused = tensor_index(str(root / "hf")), tensor_index(str(root / "fused"))
   assert hub["model.layers.1.block_sparse_moe.experts.3.w1.weight"][2] == (48, 64)
   assert hub["model.layers.1.block_sparse_moe.gate.weight"][2] == (4, 64)
   assert fused["model.layers.1.mlp.experts.gate_up_proj"][2] == (4, 96, 64)
   assert fused["model.layers.1.mlp.experts.down_proj"][2] == (4, 64, 48)
   _, want = hf.import_hf(str(root / "hf"))
-  monkeypatch.setattr(hf.sio, "BLOCK_BYTES", 1000)  # an expert's [2F, D] rows exceed a block: read row by row
+  monkeypatch.setattr(safetensors_io, "BLOCK_BYTES", 1000)  # an expert's [2F, D] rows exceed a block: read row by row
   _, got = hf.import_hf(str(root / "fused"))
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)):
     np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
@@ -110,7 +112,7 @@ def test_convert_to_hf_loads_in_transformers(converted, capsys):
   assert cli.main(["convert", "--from", str(root / "wd"), "--to_hf", str(root / "out")]) == 0
   capsys.readouterr()
   assert sorted(os.listdir(root / "out")) == ["config.json", "model.safetensors"]
-  assert set(hf.tensor_index(str(root / "out"))) == set(hf.tensor_index(str(root / "hf")))  # the hub layout
+  assert set(tensor_index(str(root / "out"))) == set(tensor_index(str(root / "hf")))  # the hub layout
   config = transformers.AutoConfig.from_pretrained(root / "out")
   assert isinstance(config, transformers.MixtralConfig)
   assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 48)

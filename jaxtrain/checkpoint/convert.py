@@ -20,14 +20,14 @@ import ml_collections
 import numpy as np
 
 from jaxtrain import config as config_lib
-from jaxtrain.checkpoint import hf
+from jaxtrain.checkpoint import hf, safetensors_io
 
 FORMAT = 1
 STATE, META = "state", "meta"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
-            "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight", "router_z_weight",
-            "bias_update_rate")  # shown only for a mixture-of-experts model
+            "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight",
+            "router_z_weight", "bias_update_rate")  # shown only for a mixture-of-experts model
 TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", "optim.name", "optim.lr",
               "optim.schedule", "checkpoint.every_steps", "checkpoint.dir", "checkpoint.fast_dir",
               "data.kind", "data.tokenizer")
@@ -139,7 +139,7 @@ def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
     raise config_lib.ConfigError(f"--from_hf: {hf_dir} has no config.json (expected a HF Llama or Mixtral directory)")
   try:
     model = hf.read_config(hf_dir)
-    hf.check_tensors(model, hf.tensor_index(hf_dir), hf_dir)
+    hf.check_tensors(model, safetensors_io.tensor_index(hf_dir), hf_dir)
   except (ValueError, FileNotFoundError) as e:
     raise config_lib.ConfigError(f"--from_hf: {e}") from e
   if os.path.exists(workdir) and not os.path.isdir(workdir):

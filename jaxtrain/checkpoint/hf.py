@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.checkpoint import safetensors_io as sio
-from jaxtrain.checkpoint.safetensors_io import tensor_index  # noqa: F401 (part of this module's API)
 from jaxtrain.model.transformer import ModelConfig, Transformer
 
 # HF name suffix inside model.layers.{i}. -> our path under params["layers"].
@@ -58,8 +57,6 @@ HF_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, 
                            "router_aux_loss_coef": 0.001}}
 EMBED = "model.embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
-# dtype name -> (safetensors code, little-endian numpy dtype) for writing; codes read
-
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -234,7 +231,7 @@ def check_tensors(cfg: ModelConfig, index: dict, hf_dir: str) -> None:
 def read_leaves(hf_dir: str, cfg: ModelConfig, dtype=np.float32):
   """Yields (our path, numpy leaf) one leaf at a time; a stacked leaf is filled layer by layer.
   Host memory holds the leaf and one block of rows. Checks every name and shape before reading."""
-  index = tensor_index(hf_dir)
+  index = sio.tensor_index(hf_dir)
   check_tensors(cfg, index, hf_dir)
   for path, shape, sources in leaf_plan(cfg, **moe_layout(index)):
     leaf = np.empty(shape, dtype)
