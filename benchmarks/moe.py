@@ -6,10 +6,10 @@ same active size, and the collectives of the expert-parallel step.
 Timing: each variant's jitted train step on one device (the loop's own), compiled and warmed up
 first, then `rounds` rounds in which every variant runs `steps` steps in turn (a slow spell of a
 shared machine then hits every variant alike); the median of its steps. MFU counts active
-parameters only, against the matmul peak measured in the same run. Collectives: the moe_tiny train step compiled for 2 data x 4 expert virtual CPU devices
-(in a subprocess, which needs XLA_FLAGS set before jax starts); every all-to-all and all-gather of
-the optimized HLO is listed with its operand size, next to the size of the batch's activations and
-of one layer's expert weights.
+parameters only, against the matmul peak measured in the same run. Collectives: the moe_tiny train
+step compiled for 2 data x 4 expert virtual CPU devices (in a subprocess, which needs XLA_FLAGS set
+before jax starts); every all-to-all and all-gather of the optimized HLO is listed with its operand
+size, next to the size of the batch's activations and of one layer's expert weights.
 """
 
 import argparse
@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -93,43 +92,6 @@ SCALED_VARIANTS = [
 ]
 
 
-class Stepper:
-  """One variant's jitted train step on one device (the loop's own), compiled and warmed up."""
-
-  def __init__(self, cfg):
-    import flax.linen as nn
-    import jax
-    from jaxtrain import data, parallel
-    from jaxtrain.model import param_count
-    from jaxtrain.train import loop, state as state_lib
-    cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
-    mesh, model, tx, schedule = loop.build(cfg, jax.devices()[:1])
-    self.state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
-    batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                           parallel.batch_sharding(mesh))
-    self.context = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
-    mesh_ctx, rules_ctx = self.context()
-    with mesh_ctx, rules_ctx:
-      self.train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
-    self.batch = batches(0)
-    self.tokens = cfg.train.batch_size * cfg.train.seq_len
-    self.sizes = {"params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params)),
-                  "active_params": param_count(model.cfg, active=True),
-                  "flops_per_step": loop.flops_per_token(cfg) * self.tokens}
-    for _ in range(2):
-      self.step()
-
-  def step(self) -> float:
-    """Seconds of one step, to its metrics on the host."""
-    import jax
-    mesh_ctx, rules_ctx = self.context()
-    with mesh_ctx, rules_ctx:
-      t = time.perf_counter()
-      self.state, metrics = self.train_fn(self.state, self.batch)
-      jax.block_until_ready(metrics)
-      return time.perf_counter() - t
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--steps", type=int, default=3, help="steps per variant and round")
@@ -145,7 +107,7 @@ def main():
     return
 
   import jax
-  from benchmarks.train_step import machine_lines, publish
+  from benchmarks.train_step import Stepper, machine_lines, publish
   from jaxtrain import config as config_lib, metrics
   peak_before = metrics.measure_matmul_peak()
   variants = [(label, None, {**SCALED, **o}) for label, o in SCALED_VARIANTS] if args.scale else VARIANTS
@@ -180,8 +142,8 @@ def main():
       *machine_lines(),
       f"- command: `python benchmarks/moe.py --steps {args.steps} --rounds {args.rounds}"
       f"{' --scale' if args.scale else ''}`; medians of {args.rounds} rounds x {args.steps} steps, the variants "
-      f"timed in turn each round (compiled and warmed up first), one device, " + ("batch 16 x 1024 tokens, d 1024, 4 layers, bf16" if args.scale else
-                                           "batch 32 x 128 tokens (moe_tiny)") +
+      f"timed in turn each round (compiled and warmed up first), one device, "
+      + ("batch 16 x 1024 tokens, d 1024, 4 layers, bf16" if args.scale else "batch 32 x 128 tokens (moe_tiny)") +
       f"; MFU on active parameters vs " + (f"the f32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in the same run"
                                            if jax.default_backend() == "cpu" else
                                            f"the datasheet bf16 peak {peak / 1e12:.0f} TFLOP/s"), "",

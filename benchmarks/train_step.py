@@ -33,30 +33,46 @@ def time_config(name: str, steps: int, batch_size: int = 0) -> dict:
   return time_cfg(name, cfg, steps)
 
 
+class Stepper:
+  """`cfg`'s jitted train step (the loop's own) on one device, compiled and warmed up (2 steps);
+  each `step()` takes the next batch and returns the seconds until its metrics are on the host."""
+
+  def __init__(self, cfg):
+    import flax.linen as nn
+    cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
+    mesh, model, tx, schedule = loop.build(cfg, jax.devices()[:1])
+    self.state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
+    self._batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
+                                 parallel.batch_sharding(mesh))
+    self._context = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
+    mesh_ctx, rules_ctx = self._context()
+    with mesh_ctx, rules_ctx:
+      self._train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
+    self._next = 0
+    self.tokens = cfg.train.batch_size * cfg.train.seq_len
+    self.sizes = {"params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params)),
+                  "active_params": param_count(model.cfg, active=True),
+                  "flops_per_step": loop.flops_per_token(cfg) * self.tokens}
+    for _ in range(2):
+      self.step()
+
+  def step(self) -> float:
+    batch = self._batches(self._next)
+    self._next += 1
+    mesh_ctx, rules_ctx = self._context()
+    with mesh_ctx, rules_ctx:
+      t = time.perf_counter()
+      self.state, step_metrics = self._train_fn(self.state, batch)
+      jax.block_until_ready(step_metrics)
+      return time.perf_counter() - t
+
+
 def time_cfg(name: str, cfg, steps: int) -> dict:
   """Median step time of `cfg`'s jitted train step on one device, and what follows from it."""
-  cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
-  devices = jax.devices()[:1]
-  mesh, model, tx, schedule = loop.build(cfg, devices)
-  state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
-  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                         parallel.batch_sharding(mesh))
-  import flax.linen as nn
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
-    times = []
-    for i in range(steps + 2):
-      batch = batches(i)
-      t = time.perf_counter()
-      state, m = train_fn(state, batch)
-      jax.block_until_ready(m)
-      times.append(time.perf_counter() - t)
-  step_time = float(np.median(times[2:]))
-  tokens = cfg.train.batch_size * cfg.train.seq_len
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  return {"config": name, "params": n_params, "active_params": param_count(model.cfg, active=True),
-          "tokens_per_step": tokens, "step_time_s": step_time,
-          "tokens_per_sec": tokens / step_time, "flops_per_step": loop.flops_per_token(cfg) * tokens}
+  stepper = Stepper(cfg)
+  step_time = float(np.median([stepper.step() for _ in range(steps)]))
+  return {"config": name, **stepper.sizes, "tokens_per_step": stepper.tokens, "step_time_s": step_time,
+          "tokens_per_sec": stepper.tokens / step_time}
 
 
 def cpu_name() -> str:
