@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import parallel
 from jaxtrain.model.mlp import Mlp
-from jaxtrain.model import moe
-from jaxtrain.model.moe import MoeMlp, capacity_slots
+from jaxtrain.model.moe import MoeMlp
+from jaxtrain.model.moe_layout import capacity_slots, tile_layout
 from jaxtrain.model.transformer import ModelConfig
 from tests.conftest import tiny_config
 
@@ -192,7 +192,7 @@ def test_tile_layout_is_a_padded_sort():
   n_experts, tile = 4, 8
   experts = np.where(rng.uniform(size=60) < 0.2, n_experts, rng.choice(n_experts, 60, p=[0.7, 0.1, 0.1, 0.1]))
   max_rows = int((experts < n_experts).sum())
-  t = jax.tree.map(np.asarray, jax.jit(moe.tile_layout, static_argnums=(1, 2, 3))(
+  t = jax.tree.map(np.asarray, jax.jit(tile_layout, static_argnums=(1, 2, 3))(
       jnp.asarray(experts, jnp.int32), n_experts, max_rows, tile))
   real = np.flatnonzero(experts < n_experts)
   rows = t.row_A[real]
