@@ -144,7 +144,7 @@ def main():
       f"{' --scale' if args.scale else ''}`; medians of {args.rounds} rounds x {args.steps} steps, the variants "
       f"timed in turn each round (compiled and warmed up first), one device, "
       + ("batch 16 x 1024 tokens, d 1024, 4 layers, bf16" if args.scale else "batch 32 x 128 tokens (moe_tiny)") +
-      f"; MFU on active parameters vs " + (f"the f32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in the same run"
+      "; MFU on active parameters vs " + (f"the f32 matmul peak {peak / 1e9:.1f} GFLOP/s measured in the same run"
                                            if jax.default_backend() == "cpu" else
                                            f"the datasheet bf16 peak {peak / 1e12:.0f} TFLOP/s"), "",
       "| variant | params | active | step | tokens/s | active MFU | time per active FLOP vs coarse |",

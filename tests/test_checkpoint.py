@@ -17,7 +17,7 @@ import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.checkpoint.policy import AdaptivePolicy
 from jaxtrain.config import ConfigError
-from jaxtrain.train import loop
+from jaxtrain.train import loop, workdir as workdir_lib
 from tests.conftest import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def losses(workdir) -> dict[int, list[float]]:
 
 
 def final_params(workdir):
-  cfg = loop.load_config(workdir)
+  cfg = workdir_lib.load_config(workdir)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1, rules="fsdp")
   mesh, model, tx, _ = loop.build(cfg)
   ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)

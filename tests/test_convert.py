@@ -19,7 +19,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf  # noqa: E402
-from jaxtrain.train import loop, state as state_lib  # noqa: E402
+from jaxtrain.train import loop, state as state_lib, workdir as workdir_lib  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tests.test_hf import from_pretrained, hf_logits, hf_model  # noqa: E402
 
@@ -60,7 +60,7 @@ def test_import_gives_transformers_logits(converted):
 def test_converted_state_restores_with_standard_restore_into_shardings(converted):
   """The state item is a plain Orbax PyTree: StandardRestore reads it straight into fsdp shardings."""
   root, _ = converted
-  cfg = loop.load_config(str(root / "wd"))
+  cfg = workdir_lib.load_config(str(root / "wd"))
   cfg.mesh.update(data=1, fsdp=-1)
   mesh, model, tx, _ = loop.build(cfg)
   shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules).params

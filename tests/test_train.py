@@ -10,7 +10,7 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.config import load_config_file
-from jaxtrain.train import loop
+from jaxtrain.train import loop, workdir as workdir_lib
 from tests.conftest import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +18,7 @@ KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s
 
 
 def final_params(workdir):
-  cfg = loop.load_config(workdir)
+  cfg = workdir_lib.load_config(workdir)
   mesh, model, tx, _ = loop.build(cfg)
   ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
   state = loop.restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0]

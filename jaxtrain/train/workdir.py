@@ -1,0 +1,101 @@
+"""A run's workdir: its config.json (written atomically, read back), and the check at start that
+refuses a workdir holding an incompatible run, or with `start_over` clears it. Every process takes
+the same branch: process 0's view decides, broadcast to the others."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+
+from jaxtrain import checkpoint, config as config_lib
+
+
+def check_workdir(cfg, workdir: str, start_over: bool) -> None:
+  """Refuses a workdir whose checkpoints were made by an incompatible config (one line), or, with
+  `start_over`, deletes its checkpoints and logs first."""
+  saved_path = os.path.join(workdir, "config.json")
+  for name, directory in checkpoint.tier_dirs(cfg.checkpoint, workdir).items():
+    if "://" not in directory and jax.process_index() == 0:
+      _probe_directory(f"checkpoint tier {name}", directory)
+  if start_over:
+    if jax.process_index() == 0:
+      if os.path.isfile(saved_path):
+        checkpoint.remove_tiers(load_config(workdir), workdir)
+      checkpoint.remove_tiers(cfg, workdir)
+      for name in ("metrics.jsonl", "tb", "config.json"):
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+          shutil.rmtree(path)
+        elif os.path.exists(path):
+          os.remove(path)
+    _sync("jaxtrain_start_over")
+    return
+  # Every process must take the same branch (the probe below runs Orbax's cross-process barriers):
+  # process 0's view decides, and the broadcast is also the barrier that keeps any process from
+  # writing this run's config.json before all of them have looked.
+  if not _agreed(os.path.isfile(saved_path)):
+    return
+  saved = load_config(workdir)
+  probe = checkpoint.Checkpoints(saved, workdir, read_only=True)
+  has_checkpoint = probe.latest()[0] is not None
+  probe.close()
+  diff = config_lib.incompatible(saved.to_dict(), cfg.to_dict())
+  if has_checkpoint and diff:
+    shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+    raise config_lib.ConfigError(f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
+                                 "to replace it, or use another --workdir")
+
+
+def _probe_directory(what: str, directory: str) -> None:
+  """One ConfigError line unless `directory` exists or can be created; leaves nothing behind."""
+  missing, path = [], os.path.abspath(directory)
+  while not os.path.exists(path):
+    missing.append(path)
+    path = os.path.dirname(path)
+  try:
+    for path in reversed(missing):
+      os.mkdir(path)
+    if not os.access(directory, os.W_OK):
+      raise PermissionError(13, "Permission denied")
+  except OSError as e:
+    raise config_lib.ConfigError(f"{what} at {directory}: {e.strerror}") from e
+  finally:
+    for path in missing:
+      if os.path.isdir(path):
+        os.rmdir(path)
+
+
+def _agreed(flag: bool) -> bool:
+  """Process 0's `flag`, on every process."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
+def _sync(name: str):
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def write_config(cfg, workdir: str):
+  """DIR/config.json, replaced atomically (a kill never leaves half a file)."""
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
+      f.write(cfg.to_json(indent=2))
+    os.replace(path + ".tmp", path)
+
+
+def load_config(workdir: str):
+  """The config a workdir was trained with."""
+  import ml_collections
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"{path} does not exist; is --workdir a training run?")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
