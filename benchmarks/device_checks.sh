@@ -17,7 +17,7 @@ cat "$OUT/env.txt"
 timeout 130 python3 benchmarks/train_step.py --steps 10 --configs gpt2_small --batch_size 16 > "$OUT/train_step.md" 2> "$OUT/train_step.err"
 tail -12 "$OUT/train_step.md"
 # 2. MoE: dense vs coarse vs fine-grained experts at one active size, on a GPU-sized model
-timeout 130 python3 benchmarks/moe.py --steps 6 --scale --no_hlo > "$OUT/moe.md" 2> "$OUT/moe.err"
+timeout 130 python3 benchmarks/moe.py --steps 3 --rounds 2 --scale --no_hlo > "$OUT/moe.md" 2> "$OUT/moe.err"
 tail -12 "$OUT/moe.md"
 # 3. checkpoint cost of gpt2_small's state (1.5 GB) against its step and the local disk
 timeout 100 python3 benchmarks/checkpoint.py --config gpt2_small --batch_size 16 --saves 3 --steps 3 --dir /tmp > "$OUT/checkpoint.md" 2> "$OUT/checkpoint.err"
