@@ -11,7 +11,7 @@ import numpy as np
 from jaxtrain import metrics
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.step import train_step
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 
 def test_flops_formula_matches_xla_cost_analysis():

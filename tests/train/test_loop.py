@@ -11,9 +11,9 @@ import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.config import load_config_file
 from jaxtrain.train import loop, workdir as workdir_lib
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import ROOT
 KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s", "entropy_floor"}
 
 

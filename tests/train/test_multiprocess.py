@@ -18,8 +18,8 @@ import pytest
 
 from jaxtrain import metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+from tests.fixtures import ROOT
+WORKER = os.path.join(ROOT, "tests", "train", "multiprocess_worker.py")
 TIMEOUT_S = 300  # per run; 2 shared cores compile three jax programs side by side
 RTOL = 1e-5
 

@@ -11,7 +11,7 @@ import pytest
 import jaxtrain
 from jaxtrain import metrics
 from jaxtrain.__main__ import main
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 
 def corpus(tmp_path):
@@ -71,7 +71,7 @@ def test_prepare_cli_and_bad_corpus(tmp_path, capsys):
 
 
 def test_corpus_of_every_bad_case_trains_and_is_counted(tmp_path):
-  from tests.test_prepare import write_bad_corpus
+  from tests.data.test_prepare import write_bad_corpus
   write_bad_corpus(tmp_path / "bad")
   cfg = text_config(str(tmp_path / "bad"), steps=2)
   cfg.train.update(eval_every=0)

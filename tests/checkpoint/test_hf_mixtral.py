@@ -18,7 +18,7 @@ from jaxtrain import __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf  # noqa: E402
 from jaxtrain.checkpoint import safetensors_io  # noqa: E402
 from jaxtrain.checkpoint.safetensors_io import tensor_index  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.fixtures import tiny_config  # noqa: E402
 
 torch.set_grad_enabled(False)
 TOKENS_BL = np.random.default_rng(0).integers(0, 128, (2, 24)).astype(np.int32)

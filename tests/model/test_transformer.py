@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.model import ModelConfig, Transformer, decode_logits, init_cache, param_count
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 
 _apply = jax.jit(Transformer.apply, static_argnums=0, static_argnames=("mutable",))

@@ -17,7 +17,7 @@ from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp
 from jaxtrain.model.moe_layout import capacity_slots, tile_layout
 from jaxtrain.model.transformer import ModelConfig
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 BASE = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, d_ff=24,
                    max_seq_len=16, n_experts=8, top_k=2, init_std=0.5)

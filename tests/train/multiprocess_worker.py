@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The tiny run that the 1-process reference and every multi-process run share: same global mesh
 # (data=2 x fsdp=4 = 8 devices) and same global batch.
@@ -48,7 +48,7 @@ def main(args):
 
   # tests.conftest appends its own device count (8) to XLA_FLAGS at import; the backend is not created
   # yet, so put ours back before anything touches a device.
-  from tests.conftest import tiny_config
+  from tests.fixtures import tiny_config
   os.environ["XLA_FLAGS"] = xla_flags
 
   import jaxtrain

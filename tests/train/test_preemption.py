@@ -9,7 +9,7 @@ import time
 from jaxtrain import metrics
 from jaxtrain.train.preemption import EXIT_STATUS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import ROOT
 
 
 def command(workdir):

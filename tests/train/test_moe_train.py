@@ -18,9 +18,9 @@ from jaxtrain.model import ModelConfig
 from jaxtrain.model.moe import MoeMlp
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.step import accumulate_gradients, update_expert_bias
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import ROOT
 MOE = dict(n_kv_heads=4, n_experts=8, top_k=2, d_ff_expert=16, n_shared_experts=1, moe_every=1)
 
 

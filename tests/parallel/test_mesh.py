@@ -10,7 +10,7 @@ import pytest
 from jaxtrain import data, parallel
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.step import accumulate_gradients
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 MESHES = [  # (mesh sizes, rules preset)
     (dict(data=1), "dp"),

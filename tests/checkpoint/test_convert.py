@@ -20,8 +20,8 @@ from safetensors.numpy import save_file  # noqa: E402
 from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf  # noqa: E402
 from jaxtrain.train import loop, state as state_lib, workdir as workdir_lib  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
-from tests.test_hf import from_pretrained, hf_logits, hf_model  # noqa: E402
+from tests.fixtures import tiny_config  # noqa: E402
+from tests.checkpoint.test_hf import from_pretrained, hf_logits, hf_model  # noqa: E402
 
 torch.set_grad_enabled(False)
 TOKENS_BL = np.random.default_rng(0).integers(0, 128, (2, 24)).astype(np.int32)

@@ -8,7 +8,7 @@ import numpy as np
 
 import jaxtrain
 from jaxtrain import metrics
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 
 def config(**mesh):

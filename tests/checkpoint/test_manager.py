@@ -18,9 +18,9 @@ from jaxtrain import checkpoint, metrics
 from jaxtrain.checkpoint.policy import AdaptivePolicy
 from jaxtrain.config import ConfigError
 from jaxtrain.train import loop, workdir as workdir_lib
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import ROOT
 
 
 def losses(workdir) -> dict[int, list[float]]:

@@ -10,7 +10,7 @@ import pytest
 from jaxtrain import data, optim
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.step import train_step
-from tests.conftest import tiny_config
+from tests.fixtures import tiny_config
 
 
 def run_steps(cfg, n, poison=None):

@@ -19,7 +19,7 @@ import pytest
 from jaxtrain.data.cache import write_cache
 from jaxtrain.data.pipeline import TextPipeline, eval_mask
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import ROOT
 SEQ, ROWS = 16, 4
 INT_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
@@ -226,7 +226,7 @@ def test_resume_in_fresh_process_under_any_process_count(corpus, tmp_path):
   with open(tmp_path / "jobs.json", "w") as f:
     json.dump(spec, f)
   env = {**os.environ, "PYTHONPATH": ROOT}
-  run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "pipeline_worker.py"), str(tmp_path / "jobs.json")],
+  run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "data", "pipeline_worker.py"), str(tmp_path / "jobs.json")],
                        env=env, capture_output=True, text=True, timeout=120)
   assert run.returncode == 0, run.stderr[-2000:]
   for (c, i), job in zip(jobs, spec):

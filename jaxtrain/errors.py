@@ -1,0 +1,26 @@
+"""The errors a run ends with, each with its own exit status (the CLI prints one line and exits with it).
+
+  2  bad input: a flag, a config value, a corpus, a workdir (`config.ConfigError`)
+  3  preempted: SIGTERM/SIGINT, checkpoint saved (`train.preemption.EXIT_STATUS`)
+  4  diverged: `optim.max_consecutive_skips` non-finite updates in a row (`Diverged`)
+  5  checkpoints could not be written: the final save, or `checkpoint.max_failed_saves` in a row (`SaveFailed`)
+  6  a peer process of a multi-host run was lost (`PeerLost`)
+No jax import here.
+"""
+
+
+class RunError(Exception):
+  """A run that cannot go on; the message is one line for the user, `exit_status` the CLI's status."""
+  exit_status = 1
+
+
+class Diverged(RunError):
+  exit_status = 4
+
+
+class SaveFailed(RunError):
+  exit_status = 5
+
+
+class PeerLost(RunError):
+  exit_status = 6

@@ -1,0 +1,21 @@
+"""Shared test helpers: the repository root, a tiny config, random-access batches on a mesh."""
+
+import os
+
+from jaxtrain.config import default_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**sections):
+  """A very small model config for property tests; `sections` update config sections."""
+  c = default_config()
+  c.model.update(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                 max_seq_len=32)
+  c.data.update(symbols=40, max_symbols=12, stop_prob=0.2)
+  c.train.update(steps=4, batch_size=8, seq_len=16, log_every=1, eval_every=0, eval_batches=1)
+  c.optim.update(warmup_steps=1, lr=1e-2)
+  c.mesh.update(data=-1)
+  for name, values in sections.items():
+    c[name].update(values)
+  return c
