@@ -1,0 +1,259 @@
+"""Tiered, asynchronous, crash-safe checkpoints of any train state, with Orbax underneath.
+
+A tier is an Orbax `CheckpointManager` directory of integer steps. Each step holds three items:
+`state` (the train state pytree, arrays through TensorStore), `data` (each process's data
+iterator state, one JSON file per process) and `meta` (config and tokenizer reference). Orbax
+writes a step into a temporary directory and renames it when complete, so a step that was
+being written when the process died is never listed, and is removed at the next start.
+
+Two tiers: a *fast* one (local disk or RAM disk, saved often, kept short) and a *persistent*
+one (any path or TensorStore URL, saved less often, kept by a preservation policy). Each saves
+asynchronously under its own save policy; restore takes the newest complete step of either.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+
+import flax.serialization
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxtrain.checkpoint import policy as policy_lib
+
+FORMAT = 1
+
+
+# ---- the per-process data iterator state, as an Orbax item ----
+
+class DataStateHandler(ocp.CheckpointHandler):
+  """Writes `process_I.json` for this process. The iterators' state is the same on every process
+  (jaxtrain's pipelines pack the global stream), so a restore under another process count reads
+  its own file when present and process 0's otherwise."""
+
+  def save(self, directory: epath.Path, args: "DataSave"):
+    (directory / f"process_{jax.process_index()}.json").write_text(json.dumps(args.state))
+
+  def restore(self, directory: epath.Path, args: "DataRestore" = None) -> dict:
+    path = directory / f"process_{jax.process_index()}.json"
+    if not path.exists():
+      path = directory / "process_0.json"
+    return json.loads(path.read_text())
+
+  def metadata(self, directory):
+    return None
+
+  def finalize(self, directory):
+    pass
+
+  def close(self):
+    pass
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataSave(ocp.args.CheckpointArgs):
+  state: dict
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataRestore(ocp.args.CheckpointArgs):
+  pass
+
+
+def _handlers(compress: bool = False, ocdbt: bool = True):
+  return {"state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_ocdbt=ocdbt), "data": DataStateHandler(),
+          "meta": ocp.JsonCheckpointHandler()}
+
+
+# ---- tiers ----
+
+@dataclasses.dataclass
+class Tier:
+  name: str
+  directory: str
+  manager: ocp.CheckpointManager
+  adaptive: policy_lib.AdaptivePolicy | None = None
+
+
+@dataclasses.dataclass
+class SaveRecord:
+  """One save: blocking time on the loop, then (once Orbax finalized it) bytes and throughput."""
+  tier: str
+  step: int
+  bytes: int
+  blocking_s: float
+  started: float
+  finished: float | None = None
+
+  def row(self) -> dict:
+    seconds = self.finished - self.started
+    return {"event": "checkpoint_save", "tier": self.tier, "save_blocking_s": self.blocking_s,
+            "save_bytes": self.bytes, "save_total_s": seconds, "save_MBps": self.bytes / seconds / 1e6}
+
+
+def tier_dirs(k, workdir: str) -> dict[str, str]:
+  """{"fast": dir (when configured), "persistent": dir} of a config's `checkpoint` section (a
+  ConfigDict or the plain dict of a saved config.json) and its workdir."""
+  dirs = {}
+  if k.get("fast_dir"):
+    dirs["fast"] = k["fast_dir"]
+  dirs["persistent"] = k.get("dir") or os.path.join(os.path.abspath(workdir), "checkpoints")
+  return dirs
+
+
+def _abs(directory: str) -> str:
+  return directory if "://" in directory else os.path.abspath(directory)
+
+
+class Checkpoints:
+  """The tiers of one run: `save` (each tier by its policy, or forced), `restore` (newest complete
+  step of any tier), `finished_saves` (records of saves Orbax has finalized since the last call)."""
+
+  def __init__(self, cfg, workdir: str, *, read_only: bool = False):
+    k = cfg.checkpoint
+    dirs = tier_dirs(k, workdir)
+    self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
+    self.tiers: list[Tier] = []
+    for name, directory in dirs.items():
+      fast = name == "fast"
+      adaptive = None
+      if k.adaptive and (fast or "fast" not in dirs):  # the frequent tier adapts
+        adaptive = policy_lib.AdaptivePolicy(k.adaptive_min_steps, k.adaptive_max_steps, k.adaptive_spike)
+      decide = policy_lib.save_policy(k.fast_every_steps if fast else k.every_steps,
+                                      k.fast_every_seconds if fast else k.every_seconds, adaptive)
+      self.tiers.append(Tier(name, _abs(directory), None, adaptive))
+      self.tiers[-1].manager = self._manager(self.tiers[-1], decide, k.fast_keep if fast else k.keep,
+                                             0 if fast else k.keep_every_steps, read_only)
+    self._records: list[SaveRecord] = []
+    self._lock = threading.Lock()
+
+  def _manager(self, tier: Tier, decide, keep: int, keep_every_steps: int, read_only: bool):
+    def finalized():  # Orbax's post-finalization callback, on its background thread: the oldest
+      with self._lock:  # unfinished save of this tier (Orbax runs one save per manager at a time)
+        r = next((r for r in self._records if r.tier == tier.name and r.finished is None), None)
+        if r is not None:
+          r.finished = time.perf_counter()
+    if read_only:
+      decide = None
+    options = ocp.CheckpointManagerOptions(
+        create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
+        save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
+        preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps),
+        async_options=ocp.AsyncOptions(post_finalization_callback=finalized),
+        enable_background_delete=False)
+    quiet = logging.getLogger("absl")
+    level = quiet.level
+    if read_only:  # Orbax warns that a read-only manager will not save, which is the point
+      quiet.setLevel(logging.ERROR)
+    try:
+      handlers = _handlers(self._compress, self._ocdbt)
+      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
+    finally:
+      quiet.setLevel(level)
+
+  # ---- which steps exist ----
+
+  def latest(self) -> tuple[int, Tier] | tuple[None, None]:
+    """The newest complete step across tiers (the fast tier wins a tie: it is nearer)."""
+    best = (None, None)
+    for tier in self.tiers:
+      step = tier.manager.latest_step()
+      if step is not None and (best[0] is None or step > best[0]):
+        best = (step, tier)
+    return best
+
+  # ---- save ----
+
+  def observe(self, step: int, loss: float, grad_norm: float, skipped: float) -> list[str]:
+    """Feeds the adaptive policies; returns their logged decisions."""
+    return [f"{t.name}: {d}" for t in self.tiers if t.adaptive
+            for d in [t.adaptive.observe(step, loss, grad_norm, skipped)] if d]
+
+  def due(self, step: int) -> list[Tier]:
+    return [t for t in self.tiers if t.manager.should_save(step)]
+
+  def save(self, step: int, state, data_state: dict, meta: dict, tiers: list[Tier] | None = None) -> list[str]:
+    """Starts an asynchronous save of `step` on `tiers` (default: those whose policy says so);
+    returns the adaptive policies' decisions that the save caused."""
+    decisions = []
+    tree = flax.serialization.to_state_dict(state)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+    # The step that produced `state` may still be running: wait for it first, so that the blocking
+    # time below is the save's own (the loop would wait for that step at its next read anyway).
+    jax.block_until_ready(tree)
+    for tier in self.due(step) if tiers is None else tiers:
+      if tier.manager.latest_step() == step:
+        continue
+      args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), data=DataSave(data_state),
+                                meta=ocp.args.JsonSave({"format": FORMAT, **meta}))
+      start = time.perf_counter()
+      tier.manager.wait_until_finished()  # Orbax would wait for this tier's previous save anyway
+      record = SaveRecord(tier.name, step, nbytes, 0.0, time.perf_counter())
+      with self._lock:
+        self._records.append(record)
+      tier.manager.save(step, args=args, force=True)
+      record.blocking_s = time.perf_counter() - start
+      if tier.adaptive and (d := tier.adaptive.saved()):
+        decisions.append(f"{tier.name}: {d}")
+    return decisions
+
+  def persistent(self) -> list[Tier]:
+    return [t for t in self.tiers if t.name == "persistent"]
+
+  def finished_saves(self) -> list[SaveRecord]:
+    with self._lock:
+      done = [r for r in self._records if r.finished is not None]
+      self._records = [r for r in self._records if r.finished is None]
+    return done
+
+  def wait(self):
+    for tier in self.tiers:
+      tier.manager.wait_until_finished()
+
+  def close(self):
+    for tier in self.tiers:
+      tier.manager.close()
+
+  # ---- restore ----
+
+  def restore(self, abstract_state, shardings, step: int | None = None, tier: Tier | None = None):
+    """(state, data_state, meta, row): the train state read straight into `shardings`, the data
+    iterator state, the meta item, and a metrics row (time, bytes, throughput)."""
+    if step is None:
+      step, tier = self.latest()
+    elif tier is None:
+      tier = next(t for t in self.tiers if step in t.manager.all_steps())
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
+                          shardings)
+    start = time.perf_counter()
+    target = flax.serialization.to_state_dict(target)
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                                               dtype=x.dtype), target)
+    restored = tier.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(target, restore_args=restore_args), data=DataRestore(),
+        meta=ocp.args.JsonRestore()))
+    state = flax.serialization.from_state_dict(abstract_state, restored.state)
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - start
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    row = {"event": "checkpoint_restore", "tier": tier.name, "restore_s": seconds, "restore_bytes": nbytes,
+           "restore_MBps": nbytes / seconds / 1e6}
+    return state, restored.data, restored.meta, row
+
+
+def remove_tiers(cfg, workdir: str) -> None:
+  """Deletes every tier's checkpoints (start over)."""
+  for directory in tier_dirs(cfg.checkpoint, workdir).values():
+    path = epath.Path(_abs(directory))
+    if path.exists():
+      if "://" in directory:
+        path.rmtree()
+      else:
+        shutil.rmtree(path)
