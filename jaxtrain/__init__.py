@@ -5,8 +5,34 @@ Library API (everything the CLI does):
   final = jaxtrain.train(cfg, "runs/tiny")            # -> last logged metrics
   text = jaxtrain.sample("runs/tiny", "< 5 6 7 |", max_new_tokens=8, temperature=0, top_k=0)
   cfg, params, apply = jaxtrain.load_pretrained("hf_or_run_dir")   # logits = apply(params, tokens)
+  rows = jaxtrain.read_metrics("runs/tiny")           # metrics.jsonl as a list of dicts
+
+Importing jaxtrain does not import jax: the names below that need it are loaded on first use, so that
+JAX_PLATFORMS and XLA_FLAGS set after `import jaxtrain` still take effect.
 """
 
-from jaxtrain.config import ConfigError, default_config, load_config_file as get_config, validate
-from jaxtrain.train import sample, train
-from jaxtrain.checkpoint.hf import load_pretrained  # noqa: E402 (after train: hf imports the model)
+import importlib
+
+from jaxtrain.config import ConfigError, ModelConfig, default_config, load_config_file as get_config, validate
+
+_LAZY = {  # name -> (module, attribute or None for the module itself)
+    "train": ("jaxtrain.train", None),  # callable: jaxtrain.train(cfg, workdir, ...)
+    "sample": ("jaxtrain.train", "sample"),
+    "load_config": ("jaxtrain.train", "load_config"),
+    "TrainState": ("jaxtrain.train", "TrainState"),
+    "Task": ("jaxtrain.train", "Task"),
+    "LanguageModel": ("jaxtrain.train", "LanguageModel"),
+    "load_pretrained": ("jaxtrain.checkpoint.hf", "load_pretrained"),
+    "read_metrics": ("jaxtrain.metrics", "read_metrics"),
+}
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f"module 'jaxtrain' has no attribute {name!r}")
+  module, attribute = _LAZY[name]
+  value = importlib.import_module(module)
+  return value if attribute is None else getattr(value, attribute)
+
+
+__all__ = ["ConfigError", "ModelConfig", "default_config", "get_config", "validate", *_LAZY]

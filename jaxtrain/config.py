@@ -4,15 +4,35 @@ A config file in `configs/` starts from `default_config()` and changes values. `
 device_count)` runs before anything is compiled and raises `ConfigError` with one line.
 """
 
+import dataclasses
+import math
+
 import ml_collections
 
-PRESETS = ("dp", "fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tp_ep")
+# Logical axis -> mesh axes, one table per preset (`mesh.rules`); only jaxtrain/parallel applies them.
+# Every data-like axis splits the batch; `fsdp` also splits parameters, `tensor` never the batch.
+# Flax resolves rules in order and skips a mesh axis a dimension already uses, so an activation
+# [batch, seq, embed] gets fsdp on batch only, while a [vocab, embed] weight gets it on embed.
+DATA_AXES = ("replica", "data", "fsdp", "expert")
+_BATCH = [("batch", DATA_AXES), ("replica", "replica")]  # "replica": one copy of a state per replica
+_FSDP = [("embed", "fsdp")]
+_EP = [("expert", "expert")]  # experts over the expert axis; tokens travel to them by all-to-all
+_TP = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
+RULES = {
+    "dp": _BATCH,
+    "fsdp": _BATCH + _FSDP,
+    "fsdp_tp": _BATCH + _FSDP + _TP,
+    "fsdp_ep": _BATCH + _EP + _FSDP,
+    "fsdp_tp_ep": _BATCH + _EP + _FSDP + _TP,
+}
+PRESETS = tuple(RULES)
 ROUTERS = ("softmax", "sigmoid")
 DISPATCH = ("dropless", "capacity")
 GROUPED_MATMUL = ("auto", "tiles", "ragged_dot")
 REMAT = ("none", "dots", "full")
 SCHEDULES = ("cosine", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
+ON_DIVERGENCE = ("stop", "rollback")
 DATA_KINDS = ("synthetic", "bytes", "text")
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "arrayrecord", "hf")
 PACKINGS = ("first_fit", "best_fit")
@@ -25,42 +45,56 @@ class ConfigError(ValueError):
   """A config value that cannot run; the message is one line for the user."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The `model` section: every default written once, here; the model reads this dataclass."""
+  vocab_size: int = 256
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  head_dim: int = 32
+  d_ff: int = 512
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-6
+  param_dtype: str = "float32"  # one of DTYPES
+  compute_dtype: str = "float32"
+  remat: str = "none"  # one of REMAT
+  scan_layers: bool = True  # False unrolls the layer loop (same parameter tree); faster on CPU
+  init_std: float = 0.02
+  # Mixture of experts (jaxtrain/model/moe.py); n_experts = 0 is a dense model.
+  n_experts: int = 0  # routed experts per MoE layer
+  top_k: int = 2  # experts per token
+  d_ff_expert: int = 0  # hidden size of each routed (and shared) expert; 0 = d_ff
+  n_shared_experts: int = 0  # experts every token goes through (DeepSeek), SwiGLU of n * d_ff_expert
+  router: str = "softmax"  # one of ROUTERS: scores = softmax or sigmoid of the router logits
+  renormalize: bool = True  # top-k gate weights divided by their sum
+  route_scale: float = 1.0  # routed output multiplied by this (DeepSeek-V3: 2.5)
+  dispatch: str = "dropless"  # one of DISPATCH: sorted grouped matmul, or capacity buffers that drop
+  grouped_matmul: str = "auto"  # dropless, one of GROUPED_MATMUL: auto = ragged_dot on TPU, tiles elsewhere
+  capacity_factor: float = 1.25  # capacity: slots per expert = ceil(factor * tokens * top_k / n_experts)
+  moe_first_dense: int = 0  # the first n layers keep a dense MLP
+  moe_every: int = 1  # after those, every k-th layer is MoE (1 = all)
+  aux_loss_weight: float = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e * p_e)
+  router_z_weight: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(router logits)^2)
+  bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): per-expert bias step; 0 = off
+
+  @property
+  def expert_d_ff(self) -> int:
+    return self.d_ff_expert or self.d_ff
+
+  @classmethod
+  def from_config(cls, m) -> "ModelConfig":
+    """From the `model` section of a config (a ConfigDict or a saved config's dict)."""
+    return cls(**{f.name: m[f.name] for f in dataclasses.fields(cls) if f.name in m})
+
+
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 
-  c.model = m = ml_collections.ConfigDict()
-  m.vocab_size = 256
-  m.d_model = 128
-  m.n_layers = 2
-  m.n_heads = 4
-  m.n_kv_heads = 4
-  m.head_dim = 32
-  m.d_ff = 512
-  m.max_seq_len = 256
-  m.rope_theta = 10000.0
-  m.tie_embeddings = True
-  m.norm_eps = 1e-6
-  m.param_dtype = "float32"
-  m.compute_dtype = "float32"
-  m.remat = "none"  # one of REMAT
-  m.scan_layers = True  # False unrolls the layer loop (same parameter tree); faster on CPU
-  m.init_std = 0.02
-  # Mixture of experts (jaxtrain/model/moe.py); n_experts = 0 is a dense model.
-  m.n_experts = 0  # routed experts per MoE layer
-  m.top_k = 2  # experts per token
-  m.d_ff_expert = 0  # hidden size of each routed (and shared) expert; 0 = d_ff
-  m.n_shared_experts = 0  # experts every token goes through (DeepSeek), SwiGLU of n * d_ff_expert
-  m.router = "softmax"  # one of ROUTERS: scores = softmax or sigmoid of the router logits
-  m.renormalize = True  # top-k gate weights divided by their sum
-  m.route_scale = 1.0  # routed output multiplied by this (DeepSeek-V3: 2.5)
-  m.dispatch = "dropless"  # one of DISPATCH: sorted grouped matmul, or capacity buffers that drop
-  m.grouped_matmul = "auto"  # dropless, one of GROUPED_MATMUL: auto = ragged_dot on TPU, tiles elsewhere
-  m.capacity_factor = 1.25  # capacity: slots per expert = ceil(factor * tokens * top_k / n_experts)
-  m.moe_first_dense = 0  # the first n layers keep a dense MLP
-  m.moe_every = 1  # after those, every k-th layer is MoE (1 = all)
-  m.aux_loss_weight = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e * p_e)
-  m.router_z_weight = 0.001  # router z-loss (ST-MoE: mean logsumexp(router logits)^2)
-  m.bias_update_rate = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): per-expert bias step; 0 = off
+  c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
 
   c.data = d = ml_collections.ConfigDict()
   d.kind = "synthetic"  # one of DATA_KINDS
@@ -105,7 +139,14 @@ def default_config() -> ml_collections.ConfigDict:
   o.eps = 1e-8
   o.weight_decay = 0.1
   o.grad_clip = 1.0  # global norm; 0 disables
-  o.skip_nonfinite = True
+  o.skip_nonfinite = True  # an update with a non-finite gradient or value is skipped (counted: skipped_steps)
+  o.max_consecutive_skips = 20  # that many skipped updates in a row: the run has diverged (see on_divergence)
+  o.on_divergence = "stop"  # one of ON_DIVERGENCE: stop (exit status 4), or rollback to the last good checkpoint
+  o.max_rollbacks = 3  # rollback: give up (stop) after this many
+  # Gradient reduction. "" = implicit (GSPMD all-reduces the gradient of the global batch); a mesh axis
+  # name = the step computes each shard's gradient over that data axis and the optimizer chain reduces
+  # them explicitly (jaxtrain/optim/reduce.py), the seam for compressed reductions.
+  o.reduce_axis = ""
 
   c.mesh = x = ml_collections.ConfigDict()
   x.replica = 1
@@ -142,9 +183,9 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
-def mesh_shape(cfg, device_count: int) -> dict[str, int]:
-  """Mesh axis sizes with the one -1 filled from the device count."""
-  sizes = {a: int(cfg.mesh[a]) for a in MESH_AXES}
+def mesh_shape(x, device_count: int) -> dict[str, int]:
+  """Mesh axis sizes of the `mesh` section `x`, with the one -1 filled from the device count."""
+  sizes = {a: int(x[a]) for a in MESH_AXES}
   free = [a for a, s in sizes.items() if s == -1]
   if len(free) > 1:
     raise ConfigError(f"mesh: only one axis may be -1, got {', '.join(free)}")
@@ -185,7 +226,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("model.router", m.router, ROUTERS)
   _check_choice("model.dispatch", m.dispatch, DISPATCH)
   _check_choice("model.grouped_matmul", m.grouped_matmul, GROUPED_MATMUL)
-  shape = mesh_shape(cfg, device_count)
+  shape = mesh_shape(cfg.mesh, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len"):
     if m[key] <= 0:
@@ -225,11 +266,43 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   if m.n_experts:
     _validate_moe(m, shape, cfg.mesh.rules)
   _validate_checkpoint(cfg.checkpoint)
-  if o.lr <= 0:
-    raise ConfigError(f"optim.lr must be positive, got {o.lr}")
+  _validate_floats(cfg)
+  _validate_optim(o)
   if o.warmup_steps >= t.steps and t.steps > 1:
     raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}")
   return shape
+
+
+# (low, high, whether low itself is allowed) for float settings; high is inclusive unless math.inf.
+FLOAT_RANGES = {
+    "model.rope_theta": (0.0, math.inf, False), "model.norm_eps": (0.0, 1.0, False),
+    "model.init_std": (0.0, math.inf, False), "model.route_scale": (0.0, math.inf, False),
+    "optim.lr": (0.0, math.inf, False), "optim.b1": (0.0, 1.0, True), "optim.b2": (0.0, 1.0, True),
+    "optim.eps": (0.0, math.inf, False), "optim.weight_decay": (0.0, math.inf, True),
+    "optim.grad_clip": (0.0, math.inf, True), "optim.min_lr_ratio": (0.0, 1.0, True),
+    "optim.decay_fraction": (0.0, 1.0, True), "train.z_loss": (0.0, math.inf, True),
+    "data.eval_fraction": (0.0, 1.0, True), "sample.temperature": (0.0, math.inf, True),
+}
+
+
+def _validate_floats(cfg):
+  """Every float setting is finite (nan and inf are refused everywhere) and within its range."""
+  for key, value in _flat(cfg.to_dict()).items():
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"{key} must be a finite number, got {value}")
+    if key in FLOAT_RANGES:
+      low, high, low_ok = FLOAT_RANGES[key]
+      if value < low or (value == low and not low_ok) or value > high:
+        interval = f"{'[' if low_ok else '('}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+        raise ConfigError(f"{key} must be in {interval}, got {value}")
+
+
+def _validate_optim(o):
+  _check_choice("optim.on_divergence", o.on_divergence, ON_DIVERGENCE)
+  if o.max_consecutive_skips < 1 or o.max_rollbacks < 0:
+    raise ConfigError("optim.max_consecutive_skips must be >= 1 and optim.max_rollbacks >= 0")
+  if o.reduce_axis not in ("", "replica", "data"):
+    raise ConfigError(f"optim.reduce_axis: unknown value {o.reduce_axis!r}; choose '' (implicit), replica or data")
 
 
 def _validate_checkpoint(k):
@@ -271,18 +344,22 @@ def _validate_moe(m, shape, rules):
 
 # Keys a resumed run may change: where and how often it runs, logs and saves, not what it computes.
 RESUMABLE_CHANGES = ("mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
+                     "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
                      "train.eval_batches", "train.microbatches", "data.prefetch", "data.prepare_workers",
                      "data.cache_dir")
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+  """{"a": {"b": 1}} -> {"a.b": 1}."""
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
 def incompatible(saved: dict, current: dict) -> list[str]:
   """The `key: saved -> current` differences that forbid resuming a run saved with `saved`."""
-  def flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-      out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-  a, b = flat(saved), flat(current)
+  a, b = _flat(saved), _flat(current)
   return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
           if a.get(k) != b.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
                                                for r in RESUMABLE_CHANGES)]

@@ -247,6 +247,16 @@ class Checkpoints:
            "restore_MBps": nbytes / seconds / 1e6}
     return state, restored.data, restored.meta, row
 
+  # ---- after a rollback ----
+
+  def delete_after(self, step: int) -> None:
+    """Deletes every tier's steps newer than `step` (an abandoned trajectory after a rollback)."""
+    self.wait()
+    for tier in self.tiers:
+      for s in tier.manager.all_steps():
+        if s > step:
+          tier.manager.delete(s)
+
 
 def remove_tiers(cfg, workdir: str) -> None:
   """Deletes every tier's checkpoints (start over)."""
@@ -257,3 +267,4 @@ def remove_tiers(cfg, workdir: str) -> None:
         path.rmtree()
       else:
         shutil.rmtree(path)
+

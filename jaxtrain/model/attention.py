@@ -5,8 +5,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.collectives import constrain
 from jaxtrain.model import axes
-from jaxtrain.model.layers import constrain, param, rope
+from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
 

@@ -13,10 +13,6 @@ def param(module: nn.Module, name: str, shape, names, dtype, std: float | None):
   return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
-def constrain(x, names):
-  return nn.with_logical_constraint(x, names)
-
-
 class RMSNorm(nn.Module):
   """Root-mean-square norm (Zhang & Sennrich, 2019), computed in float32."""
   eps: float

@@ -4,8 +4,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.collectives import constrain
 from jaxtrain.model import axes
-from jaxtrain.model.layers import constrain, param
+from jaxtrain.model.layers import param
 
 
 class Mlp(nn.Module):

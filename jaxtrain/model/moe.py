@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import collectives
 from jaxtrain.model import axes
 from jaxtrain.model.layers import param
 from jaxtrain.model.mlp import Mlp
@@ -188,10 +189,9 @@ def _moe(x_BLD, valid_BL, router_DE, bias_E, weights, cfg, expert_axis, n_shards
   """Routes and dispatches this shard's tokens; psums the stat sums over `manual_axes`."""
   b, l, d = x_BLD.shape
   e, cd = cfg.n_experts, cfg.compute_dtype
-  replicated = tuple(a for a in manual_axes if a != expert_axis)
-  if replicated:  # vary before the cast: gradients are then summed across shards in param dtype (and
-    # XLA:CPU 0.10.2 crashes on bf16 all-reduces: "Invalid binary instruction opcode copy")
-    weights = tuple(jax.lax.pcast(w, replicated, to="varying") for w in weights)
+  # vary before the cast: gradients are then summed across shards in param dtype (and XLA:CPU 0.10.2
+  # crashes on bf16 all-reduces: "Invalid binary instruction opcode copy")
+  weights = collectives.vary(weights, tuple(a for a in manual_axes if a != expert_axis))
   weights = tuple(w.astype(cd) for w in weights)
   logits_BLE = jnp.einsum("BLD,DE->BLE", x_BLD.astype(jnp.float32), router_DE.astype(jnp.float32))
   experts_BLk, gates_BLk, probs_BLE = route(logits_BLE, bias_E, cfg)
@@ -200,8 +200,8 @@ def _moe(x_BLD, valid_BL, router_DE, bias_E, weights, cfg, expert_axis, n_shards
   x_BLD = x_BLD.astype(cd)
   if expert_axis is None:
     exchange = lambda t, axis: t
-  else:  # along `axis` of size X: slice x goes to shard x, and what arrives from shard x lands in slice x
-    exchange = lambda t, axis: jax.lax.all_to_all(t, expert_axis, axis, axis)
+  else:
+    exchange = lambda t, axis: collectives.all_to_all(t, expert_axis, axis)
   if cfg.dispatch == "dropless":
     tokens = lambda t: t.reshape((b * l,) + t.shape[2:])
     y = _dispatch_dropless(tokens(x_BLD), tokens(experts_BLk), tokens(gates_BLk), weights, cfg, exchange,
@@ -210,27 +210,16 @@ def _moe(x_BLD, valid_BL, router_DE, bias_E, weights, cfg, expert_axis, n_shards
     y, sums["dropped"] = _capacity(x_BLD, experts_BLk, gates_BLk, valid_BL, weights, cfg, exchange)
   else:
     raise ValueError(f"unknown dispatch {cfg.dispatch!r}")
-  if manual_axes:
-    sums = jax.lax.psum(sums, manual_axes)
-  return y.reshape(b, l, d), sums
-
-
-def _mesh_axes(logical):
-  """Mesh axes that `logical` maps to under the active rules, as a tuple."""
-  spec = nn.logical_to_mesh_axes((logical,))[0]
-  return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return y.reshape(b, l, d), collectives.psum(sums, manual_axes)
 
 
 def _layout(batch):
   """(batch mesh axes to run manual over, expert mesh axis or None, expert shards), from the active
   logical-axis rules and mesh; axes of size 1 and axes already manual are left out."""
-  mesh = jax.sharding.get_abstract_mesh()
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  usable = lambda a: mesh.shape.get(a, 1) > 1 and types[a] != jax.sharding.AxisType.Manual
-  batch_axes = tuple(a for a in _mesh_axes(axes.BATCH) if usable(a))
-  if batch % math.prod(mesh.shape[a] for a in batch_axes):
+  batch_axes = collectives.mesh_axes(axes.BATCH)
+  if batch % math.prod(collectives.axis_size(a) for a in batch_axes):
     return (), None, 1
-  expert_axes = [a for a in _mesh_axes(axes.EXPERT) if usable(a)]
+  expert_axes = collectives.mesh_axes(axes.EXPERT)
   if len(expert_axes) > 1:
     raise ValueError(f"MoeMlp: logical 'expert' must map to one mesh axis, got {expert_axes}")
   if not expert_axes:
@@ -238,7 +227,7 @@ def _layout(batch):
   if expert_axes[0] not in batch_axes:
     raise ValueError(f"MoeMlp: expert parallelism needs the batch split over the expert mesh axis "
                      f"{expert_axes[0]!r} too (as in the fsdp_ep and fsdp_tp_ep rules)")
-  return batch_axes, expert_axes[0], mesh.shape[expert_axes[0]]
+  return batch_axes, expert_axes[0], collectives.axis_size(expert_axes[0])
 
 
 class MoeMlp(nn.Module):
@@ -273,9 +262,8 @@ class MoeMlp(nn.Module):
       raise ValueError(f"MoeMlp: {e} experts do not split over {n_shards} expert shards")
     moe = functools.partial(_moe, cfg=c, expert_axis=expert_axis, n_shards=n_shards, manual_axes=batch_axes)
     if batch_axes:
-      moe = jax.shard_map(moe, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(batch_axes),
-                          in_specs=(P(batch_axes), P(batch_axes), P(), P(), P(expert_axis)),
-                          out_specs=(P(batch_axes), P()))
+      moe = collectives.shard_map(moe, batch_axes, in_specs=(P(batch_axes), P(batch_axes), P(), P(), P(expert_axis)),
+                                  out_specs=(P(batch_axes), P()))
     y_BLD, sums = moe(x_BLD, valid_BL, router_DE, jax.lax.stop_gradient(bias_E), (w_gate, w_up, w_down))
     if c.n_shared_experts:
       shared = dataclasses.replace(c, d_ff=c.n_shared_experts * f)

@@ -4,15 +4,15 @@ Layers are always stacked under `params/layers` with a leading `layers` axis (nn
 scanned and the unrolled (`scan_layers=False`, scan fully unrolled) models share one parameter tree.
 """
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.collectives import constrain
+from jaxtrain.config import ModelConfig
 from jaxtrain.model import axes
 from jaxtrain.model.attention import Attention, attention_mask
-from jaxtrain.model.layers import RMSNorm, constrain, param
+from jaxtrain.model.layers import RMSNorm, param
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp
 
@@ -21,55 +21,6 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  vocab_size: int
-  d_model: int
-  n_layers: int
-  n_heads: int
-  n_kv_heads: int
-  head_dim: int
-  d_ff: int
-  max_seq_len: int
-  rope_theta: float = 10000.0
-  tie_embeddings: bool = True
-  norm_eps: float = 1e-6
-  param_dtype: jnp.dtype = jnp.float32
-  compute_dtype: jnp.dtype = jnp.float32
-  remat: str = "none"
-  scan_layers: bool = True
-  init_std: float = 0.02
-  n_experts: int = 0
-  top_k: int = 2
-  d_ff_expert: int = 0
-  n_shared_experts: int = 0
-  router: str = "softmax"
-  renormalize: bool = True
-  route_scale: float = 1.0
-  dispatch: str = "dropless"
-  grouped_matmul: str = "auto"
-  capacity_factor: float = 1.25
-  moe_first_dense: int = 0
-  moe_every: int = 1
-  aux_loss_weight: float = 0.01
-  router_z_weight: float = 0.001
-  bias_update_rate: float = 0.0
-
-  @property
-  def expert_d_ff(self) -> int:
-    return self.d_ff_expert or self.d_ff
-
-  @classmethod
-  def from_config(cls, m) -> "ModelConfig":
-    """From the `model` section of a config (dtype names become dtypes)."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in m.items() if k in fields}
-    values["param_dtype"] = DTYPES[m.param_dtype]
-    values["compute_dtype"] = DTYPES[m.compute_dtype]
-    return cls(**values)
 
 
 class Block(nn.Module):

@@ -3,6 +3,8 @@
 import jax
 import optax
 
+from jaxtrain.optim import reduce
+from jaxtrain.optim.guard import skip_nonfinite
 from jaxtrain.optim.schedules import make_schedule
 
 # Muon orthogonalizes each layer matrix over (reduction, output) axes; axis 0 is the layer axis.
@@ -33,10 +35,10 @@ def muon_dims(params):
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
-def build(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """clip -> (AdamW | Muon) with the schedule, wrapped so that non-finite updates are skipped."""
-  o = cfg.optim
-  schedule = make_schedule(o, cfg.train.steps)
+def build(o, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """From the `optim` config section and the run's length: [explicit reduction ->] skip non-finite
+  (clip -> AdamW | Muon with the schedule)."""
+  schedule = make_schedule(o, steps)
   if o.name == "adamw":
     inner = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
   else:
@@ -46,7 +48,8 @@ def build(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
         muon_weight_dimension_numbers=muon_dims)
   parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
   tx = optax.chain(*parts, inner)
-  if o.skip_nonfinite:
-    # Skipped steps are counted in the state (`total_notfinite`) and reported as `skipped_steps`.
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=1_000_000)
+  if o.skip_nonfinite:  # counted in the state, read by name: `total_notfinite`, `consecutive_skips`
+    tx = skip_nonfinite(tx)
+  if o.reduce_axis:  # before the finiteness check: every shard must take the same decision
+    tx = optax.chain(reduce.sum_over(o.reduce_axis), tx)
   return tx, schedule

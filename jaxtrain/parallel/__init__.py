@@ -1,1 +1,6 @@
-from jaxtrain.parallel.mesh import DATA_AXES, RULES, make_mesh, batch_sharding, logical_shardings
+"""Meshes, the logical-axis rules applied to them, and batches placed on them."""
+
+from jaxtrain.parallel.feed import Feed
+from jaxtrain.parallel.mesh import DATA_AXES, MESH_AXES, RULES, batch_sharding, logical_shardings, make_mesh
+
+__all__ = ["DATA_AXES", "Feed", "MESH_AXES", "RULES", "batch_sharding", "logical_shardings", "make_mesh"]

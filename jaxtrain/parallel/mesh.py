@@ -1,6 +1,6 @@
-"""Mesh construction and the logical-axis -> mesh-axis rule presets.
+"""Mesh construction and the application of the logical-axis rule presets (`config.RULES`).
 
-Model code names logical axes (`jaxtrain.model.axes`); only this module knows mesh axes.
+Model code names logical axes (`jaxtrain.model.axes`); only this package maps them to mesh axes.
 """
 
 import flax.linen as nn
@@ -11,29 +11,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtrain import config as config_lib
 
 MESH_AXES = config_lib.MESH_AXES
-# Every data-like axis splits the batch; `fsdp` also splits parameters, `tensor` never the batch.
-DATA_AXES = ("replica", "data", "fsdp", "expert")
-
-_BATCH = [("batch", DATA_AXES)]
-_FSDP = [("embed", "fsdp")]
-_EP = [("expert", "expert")]  # experts over the expert axis; tokens travel to them by all-to-all
-_TP = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
-
-# Flax resolves rules in order and skips a mesh axis a dimension already uses, so an activation
-# [batch, seq, embed] gets fsdp on batch only, while a [vocab, embed] weight gets it on embed.
-RULES = {
-    "dp": _BATCH,
-    "fsdp": _BATCH + _FSDP,
-    "fsdp_tp": _BATCH + _FSDP + _TP,
-    "fsdp_ep": _BATCH + _EP + _FSDP,
-    "fsdp_tp_ep": _BATCH + _EP + _FSDP + _TP,
-}
+DATA_AXES = config_lib.DATA_AXES
+RULES = config_lib.RULES
 
 
-def make_mesh(cfg, devices=None) -> Mesh:
-  """The five-axis mesh of `cfg.mesh`, every axis Auto (Linen constraints rely on GSPMD)."""
+def make_mesh(x, devices=None) -> Mesh:
+  """The five-axis mesh of the `mesh` config section `x`, every axis Auto (Linen constraints rely on
+  GSPMD)."""
   devices = jax.devices() if devices is None else devices
-  shape = config_lib.mesh_shape(cfg, len(devices))
+  shape = config_lib.mesh_shape(x, len(devices))
   sizes = tuple(shape[a] for a in MESH_AXES)
   device_array = np.asarray(devices).reshape(sizes)
   return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -45,5 +31,5 @@ def logical_shardings(logical_specs, mesh: Mesh, rules_name: str):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """[batch, seq] arrays: rows over every data-like axis."""
-  return NamedSharding(mesh, P(DATA_AXES, None))
+  """Batch arrays of any rank: the leading (batch) axis over every data-like axis."""
+  return NamedSharding(mesh, P(DATA_AXES))

@@ -1,57 +1,35 @@
-"""The composition root: config -> data -> model -> mesh -> optimizer -> jitted step -> loop.
+"""The composition root: config -> task (data, model) -> mesh -> optimizer -> jitted step -> loop.
 
-`train(cfg, workdir)` and `sample(workdir, prompt, ...)` are the library entry points; the CLI
-only parses flags and calls them.
+`train(cfg, workdir, task=None)` is the library entry point (language-model pre-training unless another
+task is passed); the CLI only parses flags and calls it.
 """
 
 import contextlib
-import functools
 import json
 import os
 import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import tqdm
+import tqdm.auto
 
-from jaxtrain import checkpoint, config as config_lib, data, metrics as metrics_lib, optim, parallel
-from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, generate, param_count
+from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
 from jaxtrain.train import state as state_lib
+from jaxtrain.train.lm import LanguageModel
 from jaxtrain.train.preemption import Preemption
-from jaxtrain.train.step import eval_step, train_step
-from jaxtrain.train.workdir import check_workdir, load_config, write_config
+from jaxtrain.train.step import make_train_step
+from jaxtrain.train.workdir import check_workdir, write_config
+
+PROGRESS_INTERVAL_S = 1.0  # the progress bar redraws at most this often (notebooks keep every redraw)
 
 
-class Feed:
-  """Places this process's rows of each global batch as jax.Arrays sharded over the data axes.
-
-  `lo:hi` are the global rows this process's devices hold; multi-host, each process builds only those."""
-
-  def __init__(self, batch_size: int, seq_len: int, sharding):
-    self.shape, self.sharding = (batch_size, seq_len), sharding
-    self._rows = {d: idx[0] for d, idx in sharding.addressable_devices_indices_map(self.shape).items()}
-    self.lo = min(r.start or 0 for r in self._rows.values())
-    self.hi = max(batch_size if r.stop is None else r.stop for r in self._rows.values())
-
-  def put(self, local: dict) -> dict:
-    def place(x):
-      shards = [jax.device_put(x[(r.start or 0) - self.lo:(self.shape[0] if r.stop is None else r.stop) - self.lo], d)
-                for d, r in self._rows.items()]
-      return jax.make_array_from_single_device_arrays(self.shape, self.sharding, shards)
-    return {k: place(v) for k, v in local.items()}
-
-
-class Batches(Feed):
-  """Random access to global batch `index` of a source (synthetic, bytes): `batches(index)`."""
-
-  def __init__(self, source, batch_size: int, seq_len: int, sharding):
-    super().__init__(batch_size, seq_len, sharding)
-    self.source = source
-
-  def __call__(self, index: int) -> dict:
-    return self.put(self.source.batch(index, self.lo, self.hi))
+def build(cfg, workdir: str = "", devices=None, task=None):
+  """Mesh, task (default: language modeling), optimizer and schedule for a validated config."""
+  mesh = parallel.make_mesh(cfg.mesh, devices)
+  task = LanguageModel(cfg, workdir) if task is None else task
+  tx, schedule = optim.build(cfg.optim, cfg.train.steps)
+  return mesh, task, tx, schedule
 
 
 def peak_flops_total(cfg) -> tuple[float, str]:
@@ -61,64 +39,31 @@ def peak_flops_total(cfg) -> tuple[float, str]:
   return peak * units, source
 
 
-def flops_per_token(cfg) -> float:
-  """Training FLOPs per token, counting only the parameters a token uses (MoE: active experts)."""
-  m = cfg.model
-  return metrics_lib.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff,
-                                           m.vocab_size, cfg.train.seq_len,
-                                           mlp_params=active_mlp_params(ModelConfig.from_config(m)))
-
-
-def build(cfg, devices=None):
-  """Mesh, model, optimizer and schedule for a validated config."""
-  mesh = parallel.make_mesh(cfg, devices)
-  model = Transformer(ModelConfig.from_config(cfg.model))
-  tx, schedule = optim.build(cfg)
-  return mesh, model, tx, schedule
-
-
-def compile_steps(cfg, mesh, model, tx, schedule, shardings):
+def compile_steps(cfg, mesh, task, tx, schedule, shardings):
   """The train and eval steps, jitted once with explicit shardings; the state is donated."""
   batch_sh = parallel.batch_sharding(mesh)
-  step = functools.partial(train_step, model=model, tx=tx, schedule=schedule,
-                           microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss)
+  step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics, update_extra=task.update_extra,
+                         microbatches=cfg.train.microbatches, reduce_axis=cfg.optim.reduce_axis)
   train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
-  eval_fn = jax.jit(lambda params, extra, batch: eval_step(params, batch, model=model, extra=extra),
-                    in_shardings=(shardings.params, shardings.extra, batch_sh))
+  eval_fn = jax.jit(task.eval_sums, in_shardings=(shardings.params, shardings.extra, shardings.task_state,
+                                                  batch_sh))
   return train_fn, eval_fn
 
 
-def evaluate(eval_fn, state, feed: Feed, batches, n: int) -> dict:
-  """Token-mean loss over the first n batches of a fresh eval iterator (a fixed held-out set)."""
-  sums, has_entropy = [], False
-  for _, local in zip(range(n), batches):
-    has_entropy = "entropy" in local
-    sums.append(jax.device_get(eval_fn(state.params, state.extra, feed.put(local))))
-  tokens = max(sum(float(s["tokens"]) for s in sums), 1.0)
-  out = {"eval_loss": sum(float(s["ce"]) for s in sums) / tokens}
-  if has_entropy:  # synthetic data: the exact entropy of these very tokens
-    out["eval_entropy_floor"] = sum(float(s["entropy"]) for s in sums) / tokens
-  return out
+def evaluate(eval_fn, state, feed, task, n: int) -> dict:
+  """The task's eval metrics over the first n batches of a fresh eval iterator (a fixed held-out set)."""
+  batches = task.batches("eval", feed.lo, feed.hi)
+  sums = [jax.device_get(eval_fn(state.params, state.extra, state.task_state, feed.put(local)))
+          for _, local in zip(range(n), batches)]
+  return task.eval_metrics(sums)
 
 
-def prepare_corpus(cfg, workdir: str, progress: bool = True) -> dict:
-  """Tokenizer and token caches for kind "text", made once by process 0; the others wait for them."""
-  report = data.prepare_corpus(cfg, workdir, progress) if jax.process_index() == 0 else {}
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("jaxtrain_prepare")
-    if jax.process_index() != 0:
-      report = data.prepare_corpus(cfg, workdir, progress=False)  # finds and reuses the caches
-  return report
-
-
-def restore_state(ckpts: checkpoint.Checkpoints, model, tx, seq_len, mesh, rules_name, step=None):
+def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, step=None):
   """The newest (or `step`) checkpoint read straight into its shardings (nothing initialized first):
   (state, shardings, data_state, restore metrics row)."""
-  shardings = state_lib.state_shardings(model, tx, seq_len, mesh, rules_name)
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, seq_len), 0)
-  state, data_state, _, row = ckpts.restore(abstract, shardings, step)
+  shardings = state_lib.state_shardings(task, tx, mesh, rules_name)
+  state, data_state, _, row = ckpts.restore(state_lib.abstract_state(task, tx), shardings, step)
   return state, shardings, data_state, row
 
 
@@ -152,167 +97,175 @@ def checkpoint_meta(cfg, workdir: str) -> dict:
   return {"config": cfg.to_dict(), "tokenizer": tokenizer}
 
 
-def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_step: bool = False,
+class Log:
+  """Rows of metrics.jsonl and the progress bar. A step's metrics are read one step late (after the
+  next step was dispatched), so the loop never waits on the device for them."""
+
+  def __init__(self, writer, bar, constants: dict, task, peak: float):
+    self.writer, self.bar, self.constants, self.peak = writer, bar, constants, peak
+    self.tokens, self.flops = task.tokens_per_batch, task.flops_per_token
+    self.restart_window()
+
+  def restart_window(self):
+    self.window_start, self.window_steps = time.perf_counter(), 0
+
+  def event(self, step: int, row: dict):
+    self.writer.write(step, row)
+
+  def step(self, pending) -> dict:
+    """Logs a finished step's metrics (and its eval results) when due. Returns the row or {}."""
+    step, step_metrics, due, extra = pending
+    if not due:
+      return {}
+    values = {**{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+                 for k, v in jax.device_get(step_metrics).items()}, **extra}
+    step_time = (time.perf_counter() - self.window_start) / max(self.window_steps, 1)
+    row = {**values, "step_time_s": step_time, **self.constants}
+    if self.tokens:
+      row.update(tokens_per_sec=self.tokens / step_time, mfu=self.flops * self.tokens / step_time / self.peak)
+    self.writer.write(step, row)
+    self.bar.update(step - self.bar.n)
+    self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{row.get('tokens_per_sec', 0):,.0f}",
+                         mfu=f"{row.get('mfu', 0):.1%}", refresh=False)
+    self.restart_window()
+    return row
+
+
+def _health(step_metrics) -> dict:
+  """The few scalars read every step: the save policy's warning signs and the divergence counter."""
+  keys = ("loss", "grad_norm", "skipped_steps", "consecutive_skips")
+  return {k: float(v) for k, v in jax.device_get({k: step_metrics[k] for k in keys}).items()}
+
+
+def _rollback(cfg, ckpts, task, tx, mesh, step: int, rollbacks: int):
+  """(state, step) of the last good checkpoint, or errors.Diverged when there is none or rollbacks ran out."""
+  o = cfg.optim
+  why = (f"training diverged: {o.max_consecutive_skips} non-finite updates in a row up to step {step} "
+         f"(optim.max_consecutive_skips)")
+  if o.on_divergence != "rollback":
+    raise errors.Diverged(f"{why}; lower optim.lr, or set optim.on_divergence=rollback")
+  ckpts.wait()
+  good = ckpts.latest()[0]
+  if good is None or rollbacks >= o.max_rollbacks:
+    reason = "no checkpoint to roll back to" if good is None else f"{rollbacks} rollbacks already"
+    raise errors.Diverged(f"{why}; {reason} (optim.max_rollbacks={o.max_rollbacks})")
+  ckpts.delete_after(good)
+  state = restore_state(ckpts, task, tx, mesh, cfg.mesh.rules, good)[0]
+  return state, good
+
+
+def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True, sync_every_step: bool = False,
           start_over: bool = False) -> dict:
-  """Trains `cfg` in `workdir` (resuming from its newest checkpoint); returns the last logged metrics.
+  """Trains `task` (default: language modeling on `cfg.data` with `cfg.model`) in `workdir`, resuming from
+  its newest checkpoint; returns the last logged metrics.
 
   `devices` defaults to all; `sync_every_step` blocks on each step (many virtual CPU devices on few
   cores have deadlocked XLA's collectives when steps were dispatched ahead); `start_over` deletes
-  the workdir's checkpoints and logs (needed when they come from an incompatible config)."""
+  the workdir's checkpoints and logs (needed when they come from an incompatible config). Whatever
+  happens, every sink and manager opened here is closed before it returns or raises."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
-  t = cfg.train
-  mesh, model, tx, schedule = build(cfg, devices)
-  rules = parallel.RULES[cfg.mesh.rules]
+  t, o = cfg.train, cfg.optim
+  mesh, task, tx, schedule = build(cfg, workdir, devices, task)
+  show = progress and jax.process_index() == 0
 
-  # ---- data, opened before compiling: this process's rows of each global batch, with a state ----
-  feed = Feed(t.batch_size, t.seq_len, parallel.batch_sharding(mesh))
-  try:
-    if cfg.data.kind == "text":
-      prepare_corpus(cfg, workdir, progress and jax.process_index() == 0)
-    where = (feed.lo, feed.hi, workdir, jax.process_index(), jax.process_count())
-    train_iter = data.make_iterator(cfg, "train", *where)
-    eval_iter = functools.partial(data.make_iterator, cfg, "eval", *where)
-    if t.eval_every:
-      eval_iter()  # fails now, not at the first evaluation
-  except (FileNotFoundError, ValueError) as e:  # a missing corpus, no usable documents
-    raise config_lib.ConfigError(str(e)) from e
-  floor = getattr(getattr(train_iter, "source", None), "expected_entropy_floor", None)
-  constants = {"entropy_floor": floor()} if floor else {}
-  sizes = {"params": param_count(model.cfg), "active_params": param_count(model.cfg, active=True)}
-  if progress and jax.process_index() == 0:
-    print(f"model: {sizes['params']:,} parameters, {sizes['active_params']:,} active per token", flush=True)
-  write_config(cfg, workdir)
-
-  # ---- state: restored from the newest complete checkpoint of any tier, or born sharded ----
-  writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
-  ckpts = checkpoint.Checkpoints(cfg, workdir)
-  meta = checkpoint_meta(cfg, workdir)
-  if ckpts.latest()[0] is not None:
-    state, shardings, data_state, row = restore_state(ckpts, model, tx, t.seq_len, mesh, cfg.mesh.rules)
-    train_iter.set_state(data_state)
-    writer.write(int(state.step), row)
-  else:
-    state, shardings = state_lib.create_state(model, tx, t.seq_len, t.seed, mesh, cfg.mesh.rules)
-    if cfg.checkpoint.init_from:
-      state = state.replace(params=init_params(cfg.checkpoint.init_from, state.params))
-  start = int(state.step)
-
-  # ---- compile once, with the logical rules and mesh in context ----
   with contextlib.ExitStack() as stack:
+    # ---- data, opened before compiling: this process's rows of each global batch, with a state ----
+    feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
+    try:
+      task.prepare(show)
+      train_iter = task.batches("train", feed.lo, feed.hi)
+      if t.eval_every:
+        task.batches("eval", feed.lo, feed.hi)  # fails now, not at the first evaluation
+    except (FileNotFoundError, ValueError) as e:  # a missing corpus, no usable documents
+      raise config_lib.ConfigError(str(e)) from e
+    constants, sizes = task.constants(), task.sizes()
+    if show and sizes:
+      print(f"model: {sizes['params']:,} parameters, {sizes['active_params']:,} active per token", flush=True)
+    write_config(cfg, workdir)
+
+    # ---- sinks and state: restored from the newest complete checkpoint of any tier, or born sharded ----
+    writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    stack.callback(writer.close)
+    ckpts = checkpoint.Checkpoints(cfg, workdir)
+    stack.callback(ckpts.close)
+    meta = checkpoint_meta(cfg, workdir)
+    if ckpts.latest()[0] is not None:
+      state, shardings, data_state, row = restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)
+      train_iter.set_state(data_state)
+      writer.write(int(state.step), row)
+    else:
+      state, shardings = state_lib.create_state(task, tx, t.seed, mesh, cfg.mesh.rules)
+      if cfg.checkpoint.init_from:
+        state = state.replace(params=init_params(cfg.checkpoint.init_from, state.params))
+    start = int(state.step)
+
+    # ---- compile once, with the logical rules and mesh in context ----
     stack.enter_context(jax.set_mesh(mesh))
-    stack.enter_context(nn.logical_axis_rules(rules))
-    train_fn, eval_fn = compile_steps(cfg, mesh, model, tx, schedule, shardings)
-    flops = flops_per_token(cfg)
+    stack.enter_context(nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
+    train_fn, eval_fn = compile_steps(cfg, mesh, task, tx, schedule, shardings)
     peak, peak_source = peak_flops_total(cfg)
-    bar = tqdm.tqdm(total=t.steps, initial=start, disable=not progress or jax.process_index() != 0,
-                    dynamic_ncols=True)
-    last, pending = {}, None
-    tokens_per_step = t.batch_size * t.seq_len
-    window_start, window_steps = time.perf_counter(), 0
+    bar = stack.enter_context(tqdm.auto.tqdm(total=t.steps, initial=start, disable=not show, dynamic_ncols=True,
+                                             mininterval=PROGRESS_INTERVAL_S))
+    log = Log(writer, bar, constants, task, peak)
+    last, pending, rollbacks = {}, None, 0
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
     preemption = stack.enter_context(Preemption())
     adaptive = any(tier.adaptive for tier in ckpts.tiers)
-    for step in range(start, t.steps):
+    step = start
+    while step < t.steps:
       state, step_metrics = train_fn(state, feed.put(next(train_iter)))
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:
-        if adaptive:  # the previous step's health, read while this one runs
-          _observe(ckpts, writer, pending)
-        row = _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step)
-        if row:
-          last, window_start, window_steps = row, time.perf_counter(), 0
-      window_steps += 1
+        health = _health(pending[1])  # the previous step's, read while this one runs
+        if adaptive:
+          _log_decisions(log, pending[0], ckpts.observe(pending[0], health["loss"], health["grad_norm"],
+                                                        health["skipped_steps"]))
+        if health["consecutive_skips"] >= o.max_consecutive_skips:
+          log.step((*pending[:2], True, {}))
+          state, step = _rollback(cfg, ckpts, task, tx, mesh, pending[0], rollbacks)  # or raises Diverged
+          rollbacks += 1
+          log.event(step, {"event": "rollback", "from_step": pending[0], "rollbacks": rollbacks})
+          pending = None
+          log.restart_window()
+          continue
+        last = log.step(pending) or last
+      log.window_steps += 1
       is_last = step + 1 == t.steps
       # The first step is always logged alone: its time includes compilation, later windows' do not.
       pending = (step + 1, step_metrics, is_last or step == start or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
-        result = evaluate(eval_fn, state, feed, eval_iter(), t.eval_batches)
+        result = evaluate(eval_fn, state, feed, task, t.eval_batches)
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
-        if not bar.disable:
+        if show:
           bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
-      if preemption.check(step + 1):
+      step += 1
+      if preemption.check(step):
         pending = (*pending[:2], True, pending[3])
         last["preempted"] = preemption.requested
         break
-      if not is_last and (due := ckpts.due(step + 1)):
-        _log_decisions(writer, step + 1, ckpts.save(step + 1, state, train_iter.get_state(), meta, due))
+      if not is_last and (due := ckpts.due(step)):
+        _log_decisions(log, step, ckpts.save(step, state, train_iter.get_state(), meta, due))
       for record in ckpts.finished_saves():
-        writer.write(record.step, record.row())
+        log.event(record.step, record.row())
     if pending is not None:
-      last.update(_log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps,
-                            tokens_per_step))
+      if _health(pending[1])["consecutive_skips"] >= o.max_consecutive_skips:
+        _rollback(cfg, ckpts, task, tx, mesh, pending[0], o.max_rollbacks)  # raises Diverged
+      last.update(log.step(pending))
 
-  # ---- the end (also after a preemption): a forced save to the persistent tier, close sinks ----
-  ckpts.save(int(state.step), state, train_iter.get_state(), meta, ckpts.persistent())
-  ckpts.wait()
-  for record in ckpts.finished_saves():
-    writer.write(record.step, record.row())
-  ckpts.close()
-  bar.close()
-  writer.close()
-  last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), **sizes, **constants})
+    # ---- the end (also after a preemption): a forced save to the persistent tier ----
+    ckpts.save(int(state.step), state, train_iter.get_state(), meta, ckpts.persistent())
+    ckpts.wait()
+    for record in ckpts.finished_saves():
+      log.event(record.step, record.row())
+  last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), "rollbacks": rollbacks,
+               **sizes, **constants})
   return last
 
 
-def _observe(ckpts, writer, pending):
-  """Feeds a finished step's loss, grad norm and skipped count to the adaptive save policy."""
-  step, step_metrics = pending[:2]
-  values = jax.device_get({k: step_metrics[k] for k in ("loss", "grad_norm", "skipped_steps")})
-  _log_decisions(writer, step, ckpts.observe(step, float(values["loss"]), float(values["grad_norm"]),
-                                              float(values["skipped_steps"])))
-
-
-def _log_decisions(writer, step: int, decisions: list[str]):
+def _log_decisions(log: Log, step: int, decisions: list[str]):
   for decision in decisions:
-    writer.write(step, {"event": "checkpoint_policy", "decision": decision})
-
-
-def _log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps, tokens_per_step):
-  """Reads a finished step's metrics (and its eval results); logs them when due. Returns the row or {}."""
-  step, step_metrics, due, extra = pending
-  if not due:
-    return {}
-  values = {**{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
-               for k, v in jax.device_get(step_metrics).items()}, **extra}
-  step_time = (time.perf_counter() - window_start) / max(window_steps, 1)
-  tokens_per_sec = tokens_per_step / step_time
-  row = {**values, "tokens_per_sec": tokens_per_sec, "mfu": flops * tokens_per_sec / peak,
-         "step_time_s": step_time, **constants}
-  writer.write(step, row)
-  bar.update(step - bar.n)
-  bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{row['mfu']:.1%}")
-  return row
-
-
-def sample(workdir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int = 0,
-           devices=None) -> str:
-  """Text continuation of `prompt` by the model trained in `workdir` (newest checkpoint)."""
-  if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-    raise config_lib.ConfigError("sample: max_new_tokens must be >= 1, temperature and top_k >= 0")
-  cfg = load_config(workdir)
-  tokenizer = data.make_tokenizer(cfg, workdir)
-  try:
-    prompt_ids = np.concatenate([[tokenizer.bos], tokenizer.encode(prompt)]).astype(np.int32)
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from e
-  if len(prompt_ids) + max_new_tokens > cfg.model.max_seq_len:
-    raise config_lib.ConfigError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                                 f"exceeds model.max_seq_len={cfg.model.max_seq_len}")
-  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
-  if ckpts.latest()[0] is None:
-    raise config_lib.ConfigError(f"no checkpoint in {workdir}; train first")
-  cfg.mesh.update({"replica": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
-  mesh, model, tx, _ = build(cfg, devices or jax.local_devices()[:1])
-  state = restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0]
-  ckpts.close()
-  gen = jax.jit(generate, static_argnums=(0, 4, 5, 6))
-  tokens = gen(model, state.params, jnp.asarray(prompt_ids)[None], jax.random.key(seed), max_new_tokens,
-               temperature, top_k, state.extra)
-  out = np.asarray(tokens[0])
-  if tokenizer.eos in out:  # stop at the end of the document
-    out = out[: list(out).index(tokenizer.eos) + 1]
-  return tokenizer.decode(out)
+    log.event(step, {"event": "checkpoint_policy", "decision": decision})

@@ -1,44 +1,19 @@
-"""Pure step functions: loss, gradient accumulation, one optimizer step, evaluation."""
+"""The pure train step, built around a loss passed in: gradient accumulation, one optimizer step.
+
+A loss is `loss_fn(params, batch, extra, task_state) -> (objective, sums)`: `objective` is a *sum* over
+the units of the batch (tokens, pairs, sequences) and `sums` a dict of sums whose "count" says how many
+units there were, so microbatches and data shards add up exactly; the gradient is divided by the total
+count. Everything task-specific (what the loss is, its metrics, updates of non-trainable state) comes
+from the task (jaxtrain/train/task.py); nothing here knows about language models or experts.
+"""
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
+from jaxtrain import collectives
 from jaxtrain.train.state import TrainState
-
-
-def cross_entropy(logits_BLV, targets_BL, mask_BL, z_loss: float):
-  """Sums over tokens (not means, so microbatches add up exactly): (ce, z, tokens)."""
-  lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-  ce = jnp.sum((lse_BL - target_logit_BL) * mask_BL)
-  z = z_loss * jnp.sum(jnp.square(lse_BL) * mask_BL)
-  return ce, z, jnp.sum(mask_BL)
-
-
-def loss_sums(params, model, batch, z_loss: float, extra=None):
-  """Summed objective (ce + z-loss + MoE router losses) for autodiff, with the parts as aux."""
-  logits_BLV, aux = model.apply({"params": params, **(extra or {})}, batch["inputs"], batch["positions"],
-                                batch["segment_ids"], mutable=["moe_stats"])
-  ce, z, tokens = cross_entropy(logits_BLV, batch["targets"], batch["loss_mask"], z_loss)
-  moe = moe_summary(aux.get("moe_stats", {}))
-  objective = ce + z
-  if moe:  # router losses are token means: weighted by this batch's tokens, like the summed ce
-    c = model.cfg
-    objective = objective + tokens * (c.aux_loss_weight * moe["aux_loss"] + c.router_z_weight * moe["z_loss"])
-  return objective, (ce, z, tokens, moe)
-
-
-def moe_summary(moe_stats: dict) -> dict:
-  """Per-layer MoE statistics of every scan (sown by the model) -> means over MoE layers, and the
-  [moe layers, experts] load. Empty for a dense model."""
-  per_layer = [stats for name in sorted(moe_stats) for stats in moe_stats[name]]
-  if not per_layer:
-    return {}
-  joined = {k: jnp.concatenate([s[k].reshape(-1, *s[k].shape[1:]) for s in per_layer]) for k in per_layer[0]}
-  out = {k: jnp.mean(v) for k, v in joined.items() if k != "load"}
-  out["load"] = joined["load"]
-  return out
 
 
 def split_microbatches(batch, k: int):
@@ -49,68 +24,62 @@ def split_microbatches(batch, k: int):
   return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(params, model, batch, microbatches: int, z_loss: float, extra=None):
-  """Gradient of the token-mean loss, summed over microbatches with lax.scan (k=1: one pass).
-  Returns (grads, (loss, z, tokens, moe)) with MoE statistics averaged over microbatches."""
-  grad_fn = jax.grad(loss_sums, has_aux=True)
+def accumulate_gradients(loss_fn, state: TrainState, batch, microbatches: int):
+  """Gradient of the summed objective and the loss's sums, added over microbatches with lax.scan
+  (k=1: one pass). Not yet divided by the count."""
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  args = (state.extra, state.task_state)
+  if microbatches == 1:
+    return grad_fn(state.params, batch, *args)
 
   def body(carry, micro):
-    grads, sums = carry
-    g, parts = grad_fn(params, model, micro, z_loss, extra)
-    return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, parts)), None
+    g, sums = grad_fn(state.params, micro, *args)
+    return jax.tree.map(jnp.add, carry, (g, sums)), None
 
-  if microbatches == 1:
-    grads, (ce, z, tokens, moe) = grad_fn(params, model, batch, z_loss, extra)
-  else:
-    micro = split_microbatches(batch, microbatches)
-    shapes = jax.eval_shape(lambda p, b: grad_fn(p, model, b, z_loss, extra), params,
-                            jax.tree.map(lambda x: x[0], micro))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (grads, (ce, z, tokens, moe)), _ = jax.lax.scan(body, zeros, micro)
-    moe = jax.tree.map(lambda v: v / microbatches, moe)
-  tokens = jnp.maximum(tokens, 1.0)
-  return jax.tree.map(lambda g: g / tokens, grads), (ce / tokens, z / tokens, tokens, moe)
+  micro = split_microbatches(batch, microbatches)
+  shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, *args), state.params, jax.tree.map(lambda x: x[0], micro))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return jax.lax.scan(body, zeros, micro)[0]
 
 
-def update_expert_bias(extra: dict, load_NE, rate: float) -> dict:
-  """Auxiliary-loss-free balancing (DeepSeek-V3): each expert's selection bias moves by `rate`
-  towards balance, up when the expert got less than its share of tokens, down when more."""
-  leaves, treedef = jax.tree.flatten(extra["moe_state"])
-  if len(leaves) != 1 or leaves[0].shape != load_NE.shape:
-    raise ValueError(f"expert biases {[x.shape for x in leaves]} do not match the load {load_NE.shape}")
-  bias = leaves[0] + rate * jnp.sign(1.0 / load_NE.shape[-1] - load_NE)
-  return {**extra, "moe_state": jax.tree.unflatten(treedef, [bias])}
+def read_counter(opt_state, name: str):
+  """An optimizer-state field found by name anywhere in the (possibly wrapped) chain; 0 if absent."""
+  return optax.tree_utils.tree_get(opt_state, name, jnp.zeros((), jnp.int32))
 
 
-def train_step(state: TrainState, batch, *, model, tx, schedule, microbatches: int, z_loss: float):
-  """One optimizer step: (state, batch) -> (state, metrics). Jitted once, by the loop."""
-  grads, (loss, z, tokens, moe) = accumulate_gradients(state.params, model, batch, microbatches, z_loss,
-                                                       state.extra)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  extra = state.extra
-  if moe and model.cfg.bias_update_rate > 0:
-    extra = update_expert_bias(extra, moe["load"], model.cfg.bias_update_rate)
-  metrics = {
-      "loss": loss,
-      "z_loss": z,
-      "tokens": tokens,
-      "grad_norm": optax.tree.norm(grads),
-      "param_norm": optax.tree.norm(params),
-      "update_norm": optax.tree.norm(updates),
-      "lr": schedule(state.step),
-      "skipped_steps": getattr(opt_state, "total_notfinite", jnp.zeros((), jnp.int32)),
-  }
-  if moe:
-    load_NE = moe["load"]
-    metrics.update({"moe_aux_loss": moe["aux_loss"], "moe_z_loss": moe["z_loss"], "moe_dropped": moe["dropped"],
-                    "moe_router_entropy": moe["entropy"], "moe_load": jnp.mean(load_NE, axis=0),
-                    "moe_imbalance": jnp.mean(jnp.max(load_NE, axis=-1)) * load_NE.shape[-1]})
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, extra=extra), metrics
+def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metrics_fn, update_extra=None,
+                    microbatches: int = 1, reduce_axis: str = ""):
+  """`train_step(state, batch) -> (state, metrics)`, pure; the loop jits it once.
 
+  `metrics_fn(sums, parts)` and `update_extra(extra, sums, parts)` (non-trainable state moved outside
+  the optimizer) receive the sums over the whole batch, with "count" at least 1, and the number of
+  parts they were added from (microbatches x data shards), to turn summed means back into means.
+  With `reduce_axis`, the step runs manual over that mesh axis: each shard differentiates its own rows
+  and `tx` (whose first transformation reduces over the axis) sees the shards' gradients."""
+  shards = lambda: collectives.axis_size(reduce_axis) if reduce_axis else 1
 
-def eval_step(params, batch, *, model, extra=None):
-  """Summed cross-entropy, token count and (synthetic data) summed exact entropy of one batch."""
-  _, (ce, _, tokens, _) = loss_sums(params, model, batch, 0.0, extra)
-  entropy = jnp.sum(batch["entropy"] * batch["loss_mask"]) if "entropy" in batch else jnp.zeros(())
-  return {"ce": ce, "tokens": tokens, "entropy": entropy}
+  def train_step(state: TrainState, batch):
+    grads, sums = accumulate_gradients(loss_fn, state, batch, microbatches)
+    sums = collectives.psum(sums, (reduce_axis,) if reduce_axis else ())
+    sums["count"] = jnp.maximum(sums["count"], 1.0)
+    grads = jax.tree.map(lambda g: g / sums["count"], grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    parts = microbatches * shards()
+    extra = state.extra if update_extra is None else update_extra(state.extra, sums, parts)
+    grad_norm = optax.tree_utils.tree_get(opt_state, "grad_norm", None)  # set by an explicit reduction
+    metrics = {
+        **metrics_fn(sums, parts),
+        "grad_norm": optax.tree.norm(grads) if grad_norm is None else grad_norm,
+        "param_norm": optax.tree.norm(params),
+        "update_norm": optax.tree.norm(updates),
+        "lr": schedule(state.step),
+        "skipped_steps": read_counter(opt_state, "total_notfinite"),
+        "consecutive_skips": read_counter(opt_state, "consecutive_skips"),
+    }
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, extra=extra), metrics
+
+  if not reduce_axis:
+    return train_step
+  return lambda state, batch: collectives.shard_map(train_step, (reduce_axis,), in_specs=(P(), P(reduce_axis)),
+                                                    out_specs=(P(), P()))(state, batch)

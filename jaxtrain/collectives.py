@@ -1,0 +1,66 @@
+"""Collectives with explicit mesh-axis names: the one module that opens `jax.shard_map` and calls
+all-to-all, psum and friends. The model (MoE dispatch) and the optimizer (explicit gradient reduction)
+use these helpers; they never open shard_map themselves.
+
+Everything here works on the *abstract* mesh of the current context (`jax.set_mesh`), so it runs
+the same under jit, inside another shard_map (axes already manual are left alone) and on one device.
+"""
+
+import flax.linen as nn
+import jax
+from jax.sharding import AxisType, PartitionSpec as P
+
+
+def manual_axes() -> tuple[str, ...]:
+  """Mesh axes that are manual here (inside a shard_map over them); () outside any."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+
+
+def axis_size(name: str) -> int:
+  """Size of mesh axis `name` in the current mesh (1 when there is no mesh or no such axis)."""
+  return jax.sharding.get_abstract_mesh().shape.get(name, 1)
+
+
+def mesh_axes(logical: str) -> tuple[str, ...]:
+  """Mesh axes that logical axis `logical` maps to under the active rules, leaving out axes of size 1
+  and axes already manual: the axes a shard_map over `logical` would make manual."""
+  spec = nn.logical_to_mesh_axes((logical,))[0]
+  names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  manual = manual_axes()
+  return tuple(a for a in names if axis_size(a) > 1 and a not in manual)
+
+
+def constrain(x, names):
+  """`nn.with_logical_constraint`, also inside a shard_map: mesh axes that are manual there are
+  dropped from the constraint (they are no longer GSPMD's to place)."""
+  manual = manual_axes()
+  if not manual:
+    return nn.with_logical_constraint(x, names)
+  spec = nn.logical_to_mesh_axes(names)
+  keep = lambda s: s if s is None else (None if s in manual else s) if isinstance(s, str) else (
+      tuple(a for a in s if a not in manual) or None)
+  return jax.lax.with_sharding_constraint(x, P(*(keep(s) for s in spec)))
+
+
+def shard_map(fn, axes: tuple[str, ...], in_specs, out_specs):
+  """`fn` manual over mesh `axes` of the current mesh; every other axis stays automatic (GSPMD)."""
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(axes), in_specs=in_specs,
+                       out_specs=out_specs)
+
+
+def all_to_all(x, axis: str, dim: int):
+  """Along dimension `dim` of size X (the size of mesh axis `axis`): slice i goes to shard i, and what
+  arrives from shard i lands in slice i."""
+  return jax.lax.all_to_all(x, axis, dim, dim)
+
+
+def psum(tree, axes: tuple[str, ...]):
+  """Sum over the shards of mesh `axes` (a no-op for no axes)."""
+  return jax.lax.psum(tree, axes) if axes else tree
+
+
+def vary(tree, axes: tuple[str, ...]):
+  """Marks a replicated value as varying over manual `axes`, so that its cotangent is summed over them
+  where it is cast (in the value's dtype) rather than later."""
+  return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree

@@ -1,0 +1,28 @@
+"""Host batches -> global jax.Arrays: each process places only the rows its devices hold."""
+
+import jax
+import numpy as np
+
+
+class Feed:
+  """Places this process's rows of each global batch as jax.Arrays sharded over the data axes.
+
+  A batch is a dict of arrays of any shape whose leading axis is the batch (`[B, L]` tokens,
+  `[B, 2, L]` pairs, `[B]` scalars). `lo:hi` are the global rows this process's devices hold;
+  multi-host, each process builds only those."""
+
+  def __init__(self, batch_size: int, sharding):
+    self.batch_size, self.sharding = batch_size, sharding
+    self._rows = {d: idx[0] for d, idx in sharding.addressable_devices_indices_map((batch_size,)).items()}
+    self.lo = min(r.start or 0 for r in self._rows.values())
+    self.hi = max(batch_size if r.stop is None else r.stop for r in self._rows.values())
+
+  def put(self, local: dict) -> dict:
+    """{key: this process's rows [hi - lo, ...]} -> {key: global [batch_size, ...] jax.Array}."""
+    def place(x):
+      x = np.asarray(x)
+      shape = (self.batch_size, *x.shape[1:])
+      shards = [jax.device_put(x[(r.start or 0) - self.lo:(self.batch_size if r.stop is None else r.stop) - self.lo], d)
+                for d, r in self._rows.items()]
+      return jax.make_array_from_single_device_arrays(shape, self.sharding, shards)
+    return {k: place(v) for k, v in local.items()}

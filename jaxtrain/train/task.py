@@ -1,0 +1,67 @@
+"""What the loop trains: a *task* says where its batches come from, what its parameters and state are,
+its summed loss and metrics, and how it is evaluated. Language-model pre-training (train/lm.py) is the
+first task; post-training objectives (preference pairs, groups of samples, a frozen reference model, a
+value head) are others, written without touching train/.
+
+A batch is a dict of arrays whose leading axis is the batch ([B, L] tokens, [B, 2, L] pairs, [B, G, L]
+groups, [B] scalars); `parallel.Feed` places any of them. Subclass `Task` and override `init`, `loss` and
+`batches`; every other method has a default.
+"""
+
+import jax
+
+
+class Task:
+  """The defaults of a task; `batch_size` (global rows) must be set by the subclass."""
+  batch_size: int
+  tokens_per_batch: int = 0  # for tokens/s and MFU; 0: not reported
+  flops_per_token: float = 0.0
+
+  def init(self, rng) -> tuple[dict, dict, dict]:
+    """(params, extra, task_state) with logical-axis boxes (nn.with_logical_partitioning): the trained
+    parameters, non-trainable model collections updated outside the optimizer, and the task's own state
+    (a frozen reference model, ...). The state's shardings follow from these boxes."""
+    raise NotImplementedError
+
+  def loss(self, params, batch: dict, extra: dict, task_state: dict):
+    """(objective, sums): the objective summed over the batch's units, and a dict of sums with "count",
+    the number of units (see train/step.py)."""
+    raise NotImplementedError
+
+  def batches(self, split: str, lo: int, hi: int):
+    """An iterator over rows lo:hi of consecutive global batches of `split` ("train" or "eval"), with
+    get_state() -> dict and set_state(dict) for exact resume."""
+    raise NotImplementedError
+
+  def prepare(self, progress: bool) -> None:
+    """Host-side work before the first batch (tokenizing a corpus); run on every process."""
+
+  def metrics(self, sums: dict, parts: int) -> dict:
+    """Step metrics from the loss's sums: by default each sum per unit, with "loss" first."""
+    return {k: v / sums["count"] for k, v in sums.items() if k != "count"}
+
+  def update_extra(self, extra: dict, sums: dict, parts: int) -> dict:
+    """The non-trainable state after a step (default: unchanged)."""
+    return extra
+
+  def eval_sums(self, params, extra: dict, task_state: dict, batch: dict) -> dict:
+    """Sums of one eval batch (default: the loss's sums)."""
+    return self.loss(params, batch, extra, task_state)[1]
+
+  def eval_metrics(self, sums: list[dict]) -> dict:
+    """Eval results from the per-batch sums (host numpy): by default `eval_loss` per unit."""
+    count = max(sum(float(s["count"]) for s in sums), 1.0)
+    return {"eval_loss": sum(float(s["loss"]) for s in sums) / count}
+
+  def constants(self) -> dict:
+    """Values logged with every row (e.g. the data's exact entropy floor)."""
+    return {}
+
+  def sizes(self) -> dict:
+    """Parameter counts to print at the start ({} prints nothing)."""
+    return {}
+
+
+def process_rows() -> tuple[int, int]:
+  """(process index, process count), for tasks whose batches depend on them."""
+  return jax.process_index(), jax.process_count()
