@@ -88,15 +88,15 @@ def main():
   root = tempfile.mkdtemp(dir=args.dir or None)
   cfg.checkpoint.update(dir=os.path.join(root, "checkpoints"), keep=args.saves + 1, ocdbt=not args.no_ocdbt)
   devices = jax.devices()[:1]
-  mesh, model, tx, schedule = loop.build(cfg, devices)
-  state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
-  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                         parallel.batch_sharding(mesh))
+  mesh, task, tx, schedule = loop.build(cfg, root, devices)
+  state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
+  feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
+  batches = lambda index: feed.batch(source, index)
   ckpts = checkpoint.Checkpoints(cfg, root)
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
+  abstract = state_lib.abstract_state(task, tx)
   rows = []  # per repeat: step, blocking, save end-to-end, disk write, restore, disk read (seconds, bytes/s)
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
+    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     state, m = train_fn(state, batches(0))  # compile
     jax.block_until_ready(m)
     for i in range(args.saves):

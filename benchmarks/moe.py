@@ -54,13 +54,12 @@ def hlo_collectives() -> list[str]:
   from jaxtrain.train import loop, state as state_lib
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
   cfg.mesh.update(data=2, expert=4, rules="fsdp_ep")
-  mesh, model, tx, schedule = loop.build(cfg)
-  state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
-  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                         parallel.batch_sharding(mesh))
+  mesh, task, tx, schedule = loop.build(cfg)
+  state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
+  feed = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh))
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
-    text = train_fn.lower(state, batches(0)).compile().as_text()
+    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+    text = train_fn.lower(state, feed.batch(data.make_source(cfg, "train"), 0)).compile().as_text()
   m, b, l = cfg.model, cfg.train.batch_size, cfg.train.seq_len
   lines = [f"activations [B, L, D] = [{b}, {l}, {m.d_model}] f32 = {b * l * m.d_model * 4 / 1024:.0f} KiB globally; "
            f"one layer's expert weights 3 x [E, D, F] = 3 x [{m.n_experts}, {m.d_model}, {m.d_ff_expert}] f32 = "

@@ -40,19 +40,19 @@ class Stepper:
   def __init__(self, cfg):
     import flax.linen as nn
     cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
-    mesh, model, tx, schedule = loop.build(cfg, jax.devices()[:1])
-    self.state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
-    self._batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                                 parallel.batch_sharding(mesh))
+    mesh, task, tx, schedule = loop.build(cfg, "", jax.devices()[:1])
+    self.state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
+    feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
+    self._batches = lambda index: feed.batch(source, index)
     self._context = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
     mesh_ctx, rules_ctx = self._context()
     with mesh_ctx, rules_ctx:
-      self._train_fn, _ = loop.compile_steps(cfg, mesh, model, tx, schedule, shardings)
+      self._train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     self._next = 0
     self.tokens = cfg.train.batch_size * cfg.train.seq_len
     self.sizes = {"params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params)),
-                  "active_params": param_count(model.cfg, active=True),
-                  "flops_per_step": loop.flops_per_token(cfg) * self.tokens}
+                  "active_params": param_count(task.model.cfg, active=True),
+                  "flops_per_step": task.flops_per_token * self.tokens}
     for _ in range(2):
       self.step()
 

@@ -19,3 +19,15 @@ def tiny_config(**sections):
   for name, values in sections.items():
     c[name].update(values)
   return c
+
+
+class Batches:
+  """Random access to global batch `index` of a source (synthetic, bytes) placed on a mesh:
+  `batches(index)` -> dict of global jax.Arrays."""
+
+  def __init__(self, source, batch_size: int, sharding):
+    from jaxtrain import parallel
+    self.source, self.feed = source, parallel.Feed(batch_size, sharding)
+
+  def __call__(self, index: int) -> dict:
+    return self.feed.batch(self.source, index)

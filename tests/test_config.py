@@ -14,7 +14,7 @@ from jaxtrain.__main__ import main
 from jaxtrain.model import param_count
 from jaxtrain.train import loop, state as state_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.fixtures import ROOT
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 EXPECTED = {"gpt2_small": 124e6, "llama_1b": 1.24e9, "llama_8b": 8.03e9, "mixtral_8x7b": 46.7e9}
 EXPECTED_ACTIVE = {"mixtral_8x7b": 12.9e9}
@@ -24,9 +24,10 @@ EXPECTED_ACTIVE = {"mixtral_8x7b": 12.9e9}
 def test_config_builds_and_shards_abstractly(path):
   cfg = config_lib.load_config_file(path)
   config_lib.validate(cfg, jax.device_count())
-  mesh, model, tx, _ = loop.build(cfg)
-  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
+  mesh, task, tx, _ = loop.build(cfg)
+  model = task.model
+  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
+  abstract = state_lib.abstract_state(task, tx)
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
   assert n == param_count(model.cfg)
   name = os.path.basename(path)[:-3]

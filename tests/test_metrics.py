@@ -1,6 +1,5 @@
 """FLOP formula against XLA's count, MFU inputs, and the metric sinks."""
 
-import functools
 import json
 import os
 
@@ -10,7 +9,7 @@ import numpy as np
 
 from jaxtrain import metrics
 from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import train_step
+from jaxtrain.train.step import make_train_step
 from tests.fixtures import tiny_config
 
 
@@ -19,15 +18,15 @@ def test_flops_formula_matches_xla_cost_analysis():
                                                   vocab_size=512, max_seq_len=128,
                                                   scan_layers=False),  # XLA counts a loop body once
                     train=dict(batch_size=4, seq_len=128))
-  mesh, model, tx, schedule = loop.build(cfg, jax.devices()[:1])
-  state, _ = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, "dp")
+  mesh, task, tx, schedule = loop.build(cfg, "", jax.devices()[:1])
+  state, _ = state_lib.create_state(task, tx, 0, mesh, "dp")
   batch = {k: jnp.zeros((4, 128), jnp.float32 if k == "loss_mask" else jnp.int32)
            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-  step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, microbatches=1, z_loss=0.0)
+  step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics)
   cost = jax.jit(step).lower(state, batch).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla = cost["flops"]
-  formula = loop.flops_per_token(cfg) * 4 * 128
+  formula = task.flops_per_token * 4 * 128
   assert abs(formula - xla) / xla < 0.10, (formula, xla)
 
 

@@ -26,3 +26,7 @@ class Feed:
                 for d, r in self._rows.items()]
       return jax.make_array_from_single_device_arrays(shape, self.sharding, shards)
     return {k: place(v) for k, v in local.items()}
+
+  def batch(self, source, index: int) -> dict:
+    """Global batch `index` of a random-access source (synthetic, bytes: `source.batch(index, lo, hi)`)."""
+    return self.put(source.batch(index, self.lo, self.hi))

@@ -62,10 +62,10 @@ def test_converted_state_restores_with_standard_restore_into_shardings(converted
   root, _ = converted
   cfg = workdir_lib.load_config(str(root / "wd"))
   cfg.mesh.update(data=1, fsdp=-1)
-  mesh, model, tx, _ = loop.build(cfg)
-  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules).params
+  mesh, task, tx, _ = loop.build(cfg)
+  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules).params
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0).params, shardings)
+                          state_lib.abstract_state(task, tx).params, shardings)
   mngr = ocp.CheckpointManager(str(root / "wd" / "checkpoints"), item_names=("state", "meta"))
   assert mngr.all_steps() == [0]
   got = mngr.restore(0, args=ocp.args.Composite(state=ocp.args.StandardRestore({"params": abstract})))["state"]
@@ -109,9 +109,9 @@ def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("trained")
   cfg = tiny_config(mesh={"data": 2, "fsdp": -1})
   cfg.checkpoint.fast_dir = str(root / "fast")
-  mesh, model, tx, _ = loop.build(cfg)
-  abstract = jax.eval_shape(state_lib.init_fn(model, tx, cfg.train.seq_len), 0)
-  shardings = state_lib.state_shardings(model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)
+  mesh, task, tx, _ = loop.build(cfg)
+  abstract = state_lib.abstract_state(task, tx)
+  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
   os.makedirs(root / "wd")
   (root / "wd" / "config.json").write_text(cfg.to_json(indent=2))
   params = {}

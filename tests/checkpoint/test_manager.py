@@ -35,9 +35,9 @@ def losses(workdir) -> dict[int, list[float]]:
 def final_params(workdir):
   cfg = workdir_lib.load_config(workdir)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1, rules="fsdp")
-  mesh, model, tx, _ = loop.build(cfg)
+  mesh, task, tx, _ = loop.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
-  state = loop.restore_state(ckpts, model, tx, cfg.train.seq_len, mesh, cfg.mesh.rules)[0]
+  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return int(state.step), jax.device_get(state.params)
 
@@ -87,16 +87,16 @@ def test_an_incompatible_workdir_is_refused_unless_starting_over(tmp_path):
   # another run can start from these params (checkpoint.init_from): same values, its own shardings
   trained = final_params(workdir)[1]
   fresh_cfg = tiny_config(mesh=dict(data=1, fsdp=2))
-  mesh, model, tx, _ = loop.build(fresh_cfg, jax.devices()[:2])
+  mesh, task, tx, _ = loop.build(fresh_cfg, "", jax.devices()[:2])
   from jaxtrain.train import state as state_lib
-  fresh, _ = state_lib.create_state(model, tx, 16, 1, mesh, "fsdp")
+  fresh, _ = state_lib.create_state(task, tx, 1, mesh, "fsdp")
   started = loop.init_params(workdir, fresh.params)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(started), trained)
   jax.tree.map(lambda a, b: a.sharding == b.sharding or pytest.fail("sharding"), started, fresh.params)
   with pytest.raises(ConfigError, match=r"init_from=.*embed'\] is shape \(64, 32\), the model needs \(64, 48\)"):
     wide = tiny_config(model=dict(d_model=48))
-    mesh, model, tx, _ = loop.build(wide, jax.devices()[:1])
-    loop.init_params(workdir, state_lib.create_state(model, tx, 16, 1, mesh, "fsdp")[0].params)
+    mesh, task, tx, _ = loop.build(wide, "", jax.devices()[:1])
+    loop.init_params(workdir, state_lib.create_state(task, tx, 1, mesh, "fsdp")[0].params)
   with pytest.raises(ConfigError, match=r"another config \(model.d_model: 32 -> 64\).*--start_over"):
     jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64)), workdir, **one)
   # longer training, other checkpoint settings: the same run, resumed (another mesh: tests/test_elastic.py)

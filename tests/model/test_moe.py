@@ -267,7 +267,7 @@ def ep_case(mesh_name, dispatch):
   cfg = dataclasses.replace(EP_CFG, dispatch=dispatch)
   variables, x, valid, ct = ep_inputs(cfg)
   unsharded = ep_unsharded(dispatch)
-  mesh = parallel.make_mesh(tiny_config(mesh={"data": 1, **sizes}), jax.devices())
+  mesh = parallel.make_mesh(tiny_config(mesh={"data": 1, **sizes}).mesh, jax.devices())
   specs = nn.get_partition_spec(jax.eval_shape(MoeMlp(cfg).init, jax.random.key(0), x))
   variables = jax.device_put(variables, parallel.logical_shardings(specs, mesh, rules))
   x, valid, ct = jax.device_put((x, valid, ct), NamedSharding(mesh, P(parallel.DATA_AXES)))

@@ -1,6 +1,5 @@
 """Sharded equals unsharded: loss and gradients of one batch across meshes and rule presets."""
 
-import functools
 
 import flax.linen as nn
 import jax
@@ -10,7 +9,7 @@ import pytest
 from jaxtrain import data, parallel
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.step import accumulate_gradients
-from tests.fixtures import tiny_config
+from tests.fixtures import Batches, tiny_config
 
 MESHES = [  # (mesh sizes, rules preset)
     (dict(data=1), "dp"),
@@ -25,13 +24,14 @@ def loss_and_grads(mesh_sizes, rules):
   cfg = tiny_config(model=dict(n_kv_heads=4, vocab_size=64), mesh=dict(rules=rules))
   devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
   cfg.mesh.update({"data": 1, **mesh_sizes})
-  mesh, model, tx, _ = loop.build(cfg, devices)
-  state, shardings = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, rules)
-  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                         parallel.batch_sharding(mesh))
-  fn = functools.partial(accumulate_gradients, model=model, microbatches=1, z_loss=1e-4)
+  cfg.train.z_loss = 1e-4
+  mesh, task, tx, _ = loop.build(cfg, "", devices)
+  state, shardings = state_lib.create_state(task, tx, 0, mesh, rules)
+  batches = Batches(data.make_source(cfg, "train"), cfg.train.batch_size, parallel.batch_sharding(mesh))
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
-    grads, (loss, _, _, _) = jax.jit(lambda p, b: fn(p, batch=b))(state.params, batches(0))
+    grads, sums = jax.jit(lambda s, b: accumulate_gradients(task.loss, s, b, 1))(state, batches(0))
+  loss = sums["ce"] / sums["count"]
+  grads = jax.tree.map(lambda g: g / sums["count"], grads)
   spec = state.params["layers"]["mlp"]["up"].sharding.spec
   return float(loss), jax.device_get(grads), spec
 
@@ -55,6 +55,6 @@ def test_rules_map_logical_names():
 
 def test_mesh_fills_minus_one():
   cfg = tiny_config(mesh=dict(data=-1, fsdp=2, tensor=2))
-  mesh = parallel.make_mesh(cfg)
+  mesh = parallel.make_mesh(cfg.mesh)
   assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)

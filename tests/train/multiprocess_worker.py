@@ -5,7 +5,7 @@
 
 Every process joins `jax.distributed` (gloo CPU collectives) when N > 1, trains the tiny config on a
 global mesh of N * D devices, and writes DIR/process_I.json: the rows of each global batch it fed
-(`Batches.lo/hi`), its device counts and the metrics `train` returned. Process 0 also writes
+(`Feed.lo/hi`), its device counts and the metrics `train` returned. Process 0 also writes
 DIR/metrics.jsonl (jaxtrain does that).
 """
 
@@ -48,12 +48,11 @@ def main(args):
 
   # tests.conftest appends its own device count (8) to XLA_FLAGS at import; the backend is not created
   # yet, so put ours back before anything touches a device.
-  from tests.fixtures import tiny_config
+  from tests.fixtures import Batches, tiny_config
   os.environ["XLA_FLAGS"] = xla_flags
 
   import jaxtrain
   from jaxtrain import data, parallel
-  from jaxtrain.train.loop import Batches
 
   assert jax.process_count() == args.num_processes, jax.process_count()
   assert jax.process_index() == args.process_id, jax.process_index()
@@ -63,8 +62,8 @@ def main(args):
   cfg = tiny_config(train={**TRAIN, "steps": int(os.environ.get("JT_STEPS", TRAIN["steps"]))}, mesh=MESH)
   t = cfg.train
   # The rows of the global batch this process builds, as train() builds them (same mesh, same sharding).
-  mesh = parallel.make_mesh(cfg)
-  rows = {split: Batches(data.make_source(cfg, split), t.batch_size, t.seq_len, parallel.batch_sharding(mesh))
+  mesh = parallel.make_mesh(cfg.mesh)
+  rows = {split: Batches(data.make_source(cfg, split), t.batch_size, parallel.batch_sharding(mesh))
           for split in ("train", "eval")}
 
   final = jaxtrain.train(cfg, args.workdir, progress=False, sync_every_step=True)
@@ -74,7 +73,7 @@ def main(args):
       "process_count": jax.process_count(),
       "local_devices": jax.local_device_count(),
       "global_devices": jax.device_count(),
-      "rows": {split: [b.lo, b.hi] for split, b in rows.items()},
+      "rows": {split: [b.feed.lo, b.feed.hi] for split, b in rows.items()},
       "batch_size": t.batch_size,
       "final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))},
   }

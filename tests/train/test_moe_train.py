@@ -1,7 +1,6 @@
 """MoE models in training: expert-parallel == unsharded (whole model), load balancing by the auxiliary
 loss and by the expert bias, MoE state in checkpoints, and moe_tiny's convergence (slow)."""
 
-import functools
 import os
 
 import flax.linen as nn
@@ -17,10 +16,10 @@ from jaxtrain.config import load_config_file
 from jaxtrain.model import ModelConfig
 from jaxtrain.model.moe import MoeMlp
 from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import accumulate_gradients, update_expert_bias
-from tests.fixtures import tiny_config
+from jaxtrain.train.lm import update_expert_bias
+from jaxtrain.train.step import accumulate_gradients
+from tests.fixtures import ROOT, Batches, tiny_config
 
-from tests.fixtures import ROOT
 MOE = dict(n_kv_heads=4, n_experts=8, top_k=2, d_ff_expert=16, n_shared_experts=1, moe_every=1)
 
 
@@ -28,14 +27,15 @@ def loss_and_grads(mesh_sizes, rules, **model):
   cfg = tiny_config(model={**MOE, **model}, mesh=dict(rules=rules))
   devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
   cfg.mesh.update({"data": 1, **mesh_sizes})
-  mesh, model, tx, _ = loop.build(cfg, devices)
-  state, _ = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, rules)
-  batches = loop.Batches(data.make_source(cfg, "train"), cfg.train.batch_size, cfg.train.seq_len,
-                         parallel.batch_sharding(mesh))
-  fn = functools.partial(accumulate_gradients, model=model, microbatches=1, z_loss=1e-4, extra=state.extra)
+  cfg.train.z_loss = 1e-4
+  mesh, task, tx, _ = loop.build(cfg, "", devices)
+  state, _ = state_lib.create_state(task, tx, 0, mesh, rules)
+  batches = Batches(data.make_source(cfg, "train"), cfg.train.batch_size, parallel.batch_sharding(mesh))
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
-    grads, (loss, _, _, moe) = jax.jit(lambda p, b: fn(p, batch=b))(state.params, batches(0))
-  return float(loss), jax.device_get(grads), jax.device_get(moe), state.params["layers"]["moe"]["up"].sharding.spec
+    grads, sums = jax.jit(lambda s, b: accumulate_gradients(task.loss, s, b, 1))(state, batches(0))
+  grads = jax.tree.map(lambda g: g / sums["count"], grads)
+  return (float(sums["ce"] / sums["count"]), jax.device_get(grads), jax.device_get(sums["moe"]),
+          state.params["layers"]["moe"]["up"].sharding.spec)
 
 
 @pytest.mark.slow  # ~80 s each on 2 cores; tests/test_moe.py checks the layer on the same meshes by default

@@ -5,21 +5,25 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxtrain import data, optim
 from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import train_step
+from jaxtrain.train.step import make_train_step
 from tests.fixtures import tiny_config
 
 
-def run_steps(cfg, n, poison=None):
+def run_steps(cfg, n, poison=None, wrap=lambda tx: tx):
+  """n steps on one device; `poison`: the step whose batch has a NaN; `wrap`: a transformation around
+  the whole optimizer chain."""
   devices = jax.devices()[:1]
-  mesh, model, tx, schedule = loop.build(cfg, devices)
-  state, _ = state_lib.create_state(model, tx, cfg.train.seq_len, 0, mesh, cfg.mesh.rules)
+  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  tx = wrap(tx)
+  state, _ = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   source = data.make_source(cfg, "train")
-  step = jax.jit(functools.partial(train_step, model=model, tx=tx, schedule=schedule,
-                                   microbatches=cfg.train.microbatches, z_loss=cfg.train.z_loss))
+  step = jax.jit(make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics, update_extra=task.update_extra,
+                                 microbatches=cfg.train.microbatches))
   history = []
   for i in range(n):
     batch = {k: jnp.asarray(v) for k, v in source.batch(i, 0, cfg.train.batch_size).items()}
@@ -43,12 +47,34 @@ def test_nonfinite_update_is_skipped_and_counted():
   cfg = tiny_config(mesh=dict(data=1))
   state, history = run_steps(cfg, 3, poison=1)
   assert [int(h["skipped_steps"]) for h in history] == [0, 1, 1]
+  assert [int(h["consecutive_skips"]) for h in history] == [0, 1, 0]
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def test_skipped_steps_read_by_name_through_a_wrapped_chain():
+  """Wrapping the chain (here: nested in another chain behind a leading transformation) must not turn
+  the counter into 0, as `getattr(opt_state, "total_notfinite", 0)` did."""
+  wrap = lambda tx: optax.chain(optax.scale(1.0), optax.chain(tx))
+  _, history = run_steps(tiny_config(mesh=dict(data=1)), 3, poison=1, wrap=wrap)
+  assert [int(h["skipped_steps"]) for h in history] == [0, 1, 1]
+
+
+def test_guard_covers_the_update_not_only_the_gradient():
+  """A NaN learning rate leaves every gradient finite but makes the update NaN: the step is skipped,
+  the parameters stay finite and equal to the initial ones (validation refuses lr=nan; this is the guard
+  behind it)."""
+  cfg = tiny_config(mesh=dict(data=1))
+  cfg.optim.lr = float("nan")
+  state0, _ = run_steps(cfg, 0)
+  state, history = run_steps(cfg, 2)
+  assert [int(h["skipped_steps"]) for h in history] == [1, 2]
+  assert all(np.isfinite(float(h["grad_norm"])) for h in history)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(state0.params))
 
 
 def test_weight_decay_mask_excludes_norms():
   cfg = tiny_config()
-  _, model, _, _ = loop.build(cfg, jax.devices()[:1])
+  model = loop.build(cfg, "", jax.devices()[:1])[1].model
   import flax.linen as nn
   params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   mask = optim.decay_mask(params)
