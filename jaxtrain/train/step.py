@@ -39,7 +39,8 @@ def accumulate_gradients(loss_fn, state: TrainState, batch, microbatches: int):
   micro = split_microbatches(batch, microbatches)
   shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, *args), state.params, jax.tree.map(lambda x: x[0], micro))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  return jax.lax.scan(body, zeros, micro)[0]
+  # inside a shard_map the per-shard sums vary over the manual axes: so must the scan's initial carry
+  return jax.lax.scan(body, collectives.vary(zeros, collectives.manual_axes()), micro)[0]
 
 
 def read_counter(opt_state, name: str):
@@ -59,7 +60,10 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metr
   shards = lambda: collectives.axis_size(reduce_axis) if reduce_axis else 1
 
   def train_step(state: TrainState, batch):
-    grads, sums = accumulate_gradients(loss_fn, state, batch, microbatches)
+    # Per-shard gradients: params marked varying over the axis, else shard_map's autodiff would sum the
+    # gradient of these replicated params over it by itself (a full-width psum no transformation sees).
+    local = state.replace(params=collectives.vary(state.params, (reduce_axis,) if reduce_axis else ()))
+    grads, sums = accumulate_gradients(loss_fn, local, batch, microbatches)
     sums = collectives.psum(sums, (reduce_axis,) if reduce_axis else ())
     sums["count"] = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree.map(lambda g: g / sums["count"], grads)
