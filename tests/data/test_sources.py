@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -10,6 +12,7 @@ import pytest
 
 from jaxtrain.data import report, sources
 from jaxtrain.data.sources import DataError, Piece
+from tests.fixtures import ROOT
 
 TEXTS = ["first doc", "second\nline", "third é", "fourth"]
 
@@ -217,3 +220,24 @@ def test_empty_files_count_and_piece_sizes(tmp_path):
   want = [Piece("hf", "p", 0, 3, 0, 300), Piece("hf", "p", 3, 6, 3, 300), Piece("hf", "p", 6, 9, 6, 300),
           Piece("hf", "p", 9, 10, 9, 100)]
   assert sources._split("hf", "p", 10, 1000, 300) == want  # 10 rows of 100 bytes, pieces of 300
+
+
+def test_symlink_loops_follow_each_directory_once(tmp_path):
+  """The two loops of the report (`ln -s . d/self; ln -s .. d/sub/back`) once took 11 minutes and 6.9 GB."""
+  d = tmp_path / "d"
+  (d / "sub").mkdir(parents=True)
+  (d / "a.txt").write_text("alpha")
+  (d / "sub" / "b.txt").write_text("beta")
+  os.symlink(".", d / "self")
+  os.symlink("..", d / "sub" / "back")
+  os.symlink("../a.txt", d / "sub" / "c_link.txt")  # the same file again: read once
+  code = ("import json, sys; from jaxtrain.data import sources; from tests.data.test_sources import read_all; "
+          "print(json.dumps([[p for p, _ in sources.list_files(s, 'auto')] for s in sys.argv[1:]] + "
+          "[read_all(sys.argv[1])[0]]))")
+  run = subprocess.run([sys.executable, "-c", code, str(d), f"{d}/**/*.txt", f"{d}/*/*.txt"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+  assert run.returncode == 0, run.stderr[-2000:]
+  by_dir, by_glob, by_star, texts = json.loads(run.stdout)
+  assert by_dir == by_glob == [f"{d}/a.txt", f"{d}/sub/b.txt"]
+  assert by_star == [f"{d}/self/a.txt", f"{d}/sub/b.txt"]  # `*/*.txt` names a.txt through self, not again
+  assert texts == ["alpha", "beta"]
