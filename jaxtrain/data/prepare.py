@@ -31,7 +31,7 @@ from jaxtrain.data import sources
 from jaxtrain.data.sources import DataError
 from jaxtrain.data.tokenizers import load_tokenizer
 
-VERSION = 1  # bump when the cache layout or a rule changes
+VERSION = 2  # bump when the cache layout or a rule changes (2: BOM-marked and compressed files decoded)
 SMALL_FILE = 1 << 20  # files up to this size are hashed into the fingerprint
 MIN_SHARD, MAX_SHARD = 1 << 20, 64 << 20  # default shards: 1/256 of the input within these bounds
 RUN_KEYS = ("cache", "weight", "cache_reused", "shards", "shards_reused")  # returned, not in report.json
