@@ -27,7 +27,7 @@ import tqdm
 
 from jaxtrain.data import cache as cache_lib
 from jaxtrain.data import report as report_lib
-from jaxtrain.data import sources
+from jaxtrain.data import sources, splits
 from jaxtrain.data.sources import DataError
 from jaxtrain.data.tokenizers import load_tokenizer
 
@@ -267,14 +267,34 @@ def _cores() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def check_splits(cfg, layout) -> None:
+  """A one-line DataError naming the flag that fixes it when a cache cannot give training (or, with
+  train.eval_every, evaluation) a next-token pair; the pipeline splits the same way (splits.py)."""
+  d, t = cfg.data, cfg.train
+  if t.eval_every and not d.eval_fraction > 0:
+    raise DataError("train.eval_every needs held-out text: set --config.data.eval_fraction=0.05 "
+                    "(or --config.train.eval_every=0)")
+  for spec, _, path in layout:
+    offsets = np.load(os.path.join(path, "offsets.npy"))
+    cut = splits.split(offsets, d.eval_fraction, t.batch_size * t.seq_len + 1)
+    for name, ranges in [("training", cut.train)] + [("eval", cut.eval)] * bool(t.eval_every):
+      if not splits.pairs(ranges):
+        fix = " or set --config.train.eval_every=0" if name == "eval" else ""
+        raise DataError(f"data.path entry {spec!r}: {len(offsets) - 1} document(s), {offsets[-1]} tokens: too little "
+                        f"text for a {name} split; add text{fix}")
+
+
 def prepare(cfg, workdir: str, tokenizer, seq_len: int | None = None, progress: bool = True) -> dict:
   """Prepares every source of cfg.data.path; returns the combined report (also CACHE_ROOT/report.json)
-  with one entry per source under "sources". seq_len defaults to train.seq_len."""
+  with one entry per source under "sources". seq_len defaults to train.seq_len. Fails (check_splits)
+  when a source is too small to split for training and evaluation."""
   seq_len = cfg.train.seq_len if seq_len is None else seq_len
   workers = cfg.data.prepare_workers or _cores()
   rules = rules_of(cfg.data)
+  layout = cache_layout(cfg, workdir)
   reports = [{**prepare_source(spec, path, tokenizer, rules, workers, progress, seq_len), "weight": weight}
-             for spec, weight, path in cache_layout(cfg, workdir)]
+             for spec, weight, path in layout]
+  check_splits(cfg, layout)
   total = {"seq_len": seq_len, "cache_dir": cache_root(cfg, workdir)}
   for r in reports:
     report_lib.merge(total, {k: v for k, v in r.items() if k != "seq_len"})

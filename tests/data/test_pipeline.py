@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from jaxtrain.data.cache import write_cache
-from jaxtrain.data.pipeline import TextPipeline, eval_mask
+from jaxtrain.data.pipeline import TextPipeline
+from jaxtrain.data.splits import eval_mask
 
 from tests.fixtures import ROOT
 SEQ, ROWS = 16, 4
