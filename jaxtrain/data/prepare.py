@@ -7,8 +7,8 @@ fingerprint, and the rules (format, text_field, add_bos, add_eos, bad_utf8). Oth
 is removed first, so a stale cache never looks complete, and it is rebuilt.
 
 Building: the source's pieces (sources.py) are grouped in order into shards of about shard_bytes
-of input. Workers (spawned processes: safe beside jax's threads, but a script that calls prepare
-needs an `if __name__ == "__main__":` guard) tokenize one shard each and write
+of input. Workers (child processes, workers.py: safe beside jax's threads, and a script that calls
+prepare needs no `if __name__ == "__main__":` guard) tokenize one shard each and write
 CACHE/shards-KEY/NNNNN.npz through an atomic rename, so a killed run (even kill -9) leaves only
 whole shards, which a rerun skips. When all are done they are concatenated in order (the same
 bytes for any number of workers), report.json is written, then the manifest, and the shards go.
@@ -16,7 +16,6 @@ bytes for any number of workers), report.json is written, then the manifest, and
 
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ import tqdm
 from jaxtrain.data import cache as cache_lib
 from jaxtrain.data import report as report_lib
 from jaxtrain.data import sources, splits
+from jaxtrain.data import workers as workers_lib
 from jaxtrain.data.sources import DataError
 from jaxtrain.data.tokenizers import load_tokenizer
 
@@ -144,31 +144,19 @@ def _shard_chunks(paths):
       yield z["tokens"], z["lengths"]
 
 
-def _run_shard(tokenizer, index, pieces, rules, path):
+def run_shard(tokenizer, index, pieces, rules, path):
+  """Tokenizes and writes one shard; (index, counts)."""
   tokens, lengths, counts = tokenize_shard(tokenizer, pieces, rules)
   _write_shard(path, tokens, lengths, counts)
   return index, counts
 
 
-_WORKER = {}
-
-
-def _init_worker(tokenizer_spec):
-  _WORKER["tokenizer"] = load_tokenizer(tokenizer_spec)
-
-
-def _work(task):
-  return _run_shard(_WORKER["tokenizer"], *task)
-
-
 def _run(tokenizer, tasks, workers):
   """(index, counts) of each task as it finishes; in this process when one worker is enough."""
   if workers <= 1 or len(tasks) <= 1:
-    yield from (_run_shard(tokenizer, *task) for task in tasks)
+    yield from (run_shard(tokenizer, *task) for task in tasks)
     return
-  ctx = multiprocessing.get_context("spawn")
-  with ctx.Pool(min(workers, len(tasks)), _init_worker, (tokenizer.spec(),)) as pool:
-    yield from pool.imap_unordered(_work, tasks)
+  yield from workers_lib.run(tokenizer.spec(), tasks, workers)
 
 
 def _shard_dir(cache_path: str, fp: str, shard_bytes: int) -> str:
