@@ -3,7 +3,7 @@
 data.path is one source or a comma-separated mixture, each entry `SPEC[@WEIGHT]`; a SPEC is a file,
 a directory (recursive, hidden entries skipped), a glob, or a Hugging Face dataset saved with
 `save_to_disk`. Directories and `**` follow symlinks into each real directory once (loops end), and a
-file reached under two names (links) is read once. Formats, by data.format or (auto) by extension:
+file reached under two names (links) is read once (filetree.py). Formats, by data.format or (auto) by extension:
   text         each file is one document (.txt, .py, ... and any unknown extension)
   jsonl        each line is a JSON object; data.text_field holds the document (.jsonl, .json, .ndjson)
   (text and jsonl files may be compressed, a.txt.gz or a.jsonl.zst, and UTF-16/32 by their BOM: decoding.py)
@@ -17,21 +17,18 @@ skip reason) per document, and iter_texts turns them into clean text by the rule
 """
 
 import codecs
-import fnmatch
 import functools
-import glob
 import json
 import math
 import os
 import stat
 from typing import NamedTuple
 
-from jaxtrain.data import decoding, report
+from jaxtrain.data import decoding, filetree, report
 
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
               ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord"}
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-_GLOB_CHARS = "*?["
 
 
 class DataError(ValueError):
@@ -84,60 +81,6 @@ def format_of(path: str, fmt: str) -> str:
   return fmt
 
 
-def _identity(path: str):
-  """(st_dev, st_ino) of what path names after links; the path itself when it cannot be stat'ed."""
-  try:
-    st = os.stat(path)
-  except OSError:
-    return path
-  return st.st_dev, st.st_ino
-
-
-def _first(seen: set, path: str) -> bool:
-  """True the first time a real file or directory is met (by identity), False after."""
-  key = _identity(path)
-  if key in seen:
-    return False
-  seen.add(key)
-  return True
-
-
-def _walk(root: str) -> list[str]:
-  """Files under root, hidden entries skipped; links are followed into each real directory once
-  (at its first path, top-down in sorted order), so symlink loops end."""
-  out, seen = [], {_identity(root)}
-  for dirpath, dirs, files in os.walk(root, followlinks=True):
-    dirs[:] = [d for d in sorted(dirs) if not d.startswith(".") and _first(seen, os.path.join(dirpath, d))]
-    out += [os.path.join(dirpath, f) for f in sorted(files) if not f.startswith(".")]
-  return out
-
-
-def _match(names: list[str], patterns: list[str]) -> bool:
-  """Whether path components match glob components; "**" matches zero or more of them."""
-  if not patterns:
-    return not names
-  if patterns[0] == "**":
-    return _match(names, patterns[1:]) or (bool(names) and _match(names[1:], patterns))
-  return bool(names) and fnmatch.fnmatchcase(names[0], patterns[0]) and _match(names[1:], patterns[1:])
-
-
-def _glob(spec: str) -> list[str]:
-  """The files glob.glob(spec, recursive=True) names, sorted; "**" walks like _walk (loops end)."""
-  if "**" not in spec:
-    return sorted(f for f in glob.glob(spec) if not os.path.isdir(f))
-  parts = spec.split(os.sep)
-  k = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARS))
-  root = os.sep.join(parts[:k]) or (os.sep if k else "")
-  rels = (os.path.relpath(f, root or os.curdir) for f in _walk(root or os.curdir))
-  return sorted(os.path.join(root, rel) for rel in rels if _match(rel.split(os.sep), parts[k:]))
-
-
-def _once(files: list[str]) -> list[str]:
-  """files without a file listed before under another name (a symlink or hard link to it)."""
-  seen = set()
-  return [f for f in files if _first(seen, f)]
-
-
 def _check_readable(path: str) -> None:
   """DataError unless path is a regular file that opens (a broken link, fifo or socket is not)."""
   try:
@@ -157,18 +100,18 @@ def list_files(spec: str, fmt: str) -> list[tuple[str, str]]:
       raise DataError(f"data.path {spec!r} is not a saved Hugging Face dataset (no {', '.join(HF_MARKERS)})")
     return [(spec, "hf")]
   if os.path.isdir(spec):
-    files = _walk(spec)
+    files = filetree.walk(spec)
     if not files:
       raise DataError(f"data.path {spec!r} is a directory without files")
   elif os.path.lexists(spec):
     files = [spec]
-  elif any(c in spec for c in _GLOB_CHARS):
-    files = _glob(spec)
+  elif any(c in spec for c in filetree.GLOB_CHARS):
+    files = filetree.glob(spec)
     if not files:
       raise DataError(f"data.path {spec!r} matches no files")
   else:
     raise DataError(f"data.path {spec!r} does not exist")
-  files = _once(files)
+  files = filetree.once(files)
   for f in files:
     _check_readable(f)
   return [(f, format_of(f, fmt)) for f in files]
