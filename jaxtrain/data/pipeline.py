@@ -1,7 +1,8 @@
 """Token caches -> packed, shuffled, checkpointable batches with grain. Numpy and grain only.
 
-Each cache's split is cut into pieces of at most seq_len + 1 tokens (piece k of a document covers
-tokens [k*L, k*L + L + 1), so consecutive pieces share one token and no next-token pair is lost).
+Each cache's split (splits.py: held-out documents, or a token tail of a one-document corpus) is cut into
+pieces of at most seq_len + 1 tokens (piece k of a document covers tokens [k*L, k*L + L + 1), so
+consecutive pieces share one token and no next-token pair is lost).
 The pieces of each cache are shuffled with the seed, reshuffled every epoch (grain's index_shuffle
 with seed + epoch), mixed by weight and packed first-fit or best-fit into rows of seq_len pairs,
 one global batch of bins at a time; every piece is its own segment.
@@ -20,6 +21,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
+from jaxtrain.data import splits
 from jaxtrain.data.cache import Cache
 
 SPLITS = ("train", "eval")
@@ -27,39 +29,7 @@ PACKERS = {"first_fit": grain_exp.FirstFitPackIterDataset, "best_fit": grain_exp
 EVAL_SEED = 0  # the held-out stream does not depend on the training seed: runs compare on one set
 STATE_VERSION = 1
 # Changing any of these changes the stream itself, so a saved state cannot continue it.
-STREAM_KEYS = ("caches", "weights", "seq_len", "seed", "split", "eval_fraction", "packing")
-
-
-def _splitmix64(x):
-  """Steele et al. (2014) SplitMix64 finalizer over a uint64 array: a fixed, well-mixed hash."""
-  with np.errstate(over="ignore"):
-    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def eval_mask(num_docs: int, eval_fraction: float) -> np.ndarray:
-  """[num_docs] True for held-out documents: splitmix64(index) / 2**64 < eval_fraction.
-
-  With eval_fraction > 0 and at least 2 documents, neither split is empty.
-  """
-  u = _splitmix64(np.arange(num_docs, dtype=np.uint64)) / 2.0**64
-  held = u < eval_fraction
-  if eval_fraction > 0 and num_docs >= 2:
-    held[np.argmin(u)] = True
-    held[np.argmax(u)] = False
-  return held
-
-
-def cut_pieces(offsets: np.ndarray, doc_ids: np.ndarray, seq_len: int):
-  """(first token index, next-token pairs) of every piece of the given documents, in order."""
-  starts, pairs = offsets[doc_ids], offsets[doc_ids + 1] - offsets[doc_ids] - 1
-  starts, pairs = starts[pairs >= 1], pairs[pairs >= 1]  # a 1-token document has no target
-  counts = -(-pairs // seq_len)
-  doc = np.repeat(np.arange(len(pairs)), counts)
-  k = np.arange(len(doc)) - np.repeat(np.cumsum(counts) - counts, counts)
-  return starts[doc] + k * seq_len, np.minimum(seq_len, pairs[doc] - k * seq_len).astype(np.int32)
+STREAM_KEYS = ("caches", "weights", "seq_len", "seed", "split", "eval_fraction", "packing", "holdout")
 
 
 class _Pieces:
@@ -131,10 +101,13 @@ class TextPipeline:
     self.seq_len, self.batch_size = int(seq_len), int(batch_size)
     rows = batch_size // process_count
     reader = _RowReader(self._caches, process_index * rows, (process_index + 1) * rows)
+    # One batch of held-out pairs where a cache must be split by tokens; train and eval compute the same.
+    cuts = [splits.split(c.offsets, eval_fraction, self.batch_size * self.seq_len + 1) for c in self._caches]
     self._config = {"caches": [c.manifest["fingerprint"] for c in self._caches], "weights": weights,
                     "seq_len": self.seq_len, "seed": int(seed), "split": split,
-                    "eval_fraction": float(eval_fraction), "packing": packing}
-    stream = self._stream(caches, weights, seed, split, eval_fraction, reader.bases)
+                    "eval_fraction": float(eval_fraction), "packing": packing,
+                    "holdout": [cut.tail for cut in cuts] if any(cut.tail for cut in cuts) else None}
+    stream = self._stream(caches, cuts, weights, seed, split, reader.bases)
     packed = PACKERS[packing](stream.to_iter_dataset(grain.ReadOptions(num_threads=0)),
                               length_struct={"token": self.seq_len}, num_packing_bins=self.batch_size,
                               shuffle_bins=False)
@@ -146,15 +119,15 @@ class TextPipeline:
     # running at interpreter shutdown aborts the process ("terminate called without an active exception").
     self.close = weakref.finalize(self, _close, self._its)
 
-  def _stream(self, paths, weights, seed, split, eval_fraction, bases) -> grain.MapDataset:
+  def _stream(self, paths, cuts, weights, seed, split, bases) -> grain.MapDataset:
     """The infinite mixed stream of pieces of the split, each cache reshuffled every epoch."""
     parts, sizes = [], []
     for c, cache in enumerate(self._caches):
-      docs = np.flatnonzero(eval_mask(len(cache), eval_fraction) == (split == "eval"))
-      starts, pairs = cut_pieces(cache.offsets, docs, self.seq_len)
+      starts, pairs = splits.cut_pieces(cuts[c].eval if split == "eval" else cuts[c].train, self.seq_len)
       if not len(starts):
-        raise ValueError(f"cache {paths[c]}: the {split} split has no document of 2 or more tokens "
-                         f"({len(cache)} documents, eval_fraction={eval_fraction})")
+        fix = " or set --config.train.eval_every=0" if split == "eval" else ""
+        raise ValueError(f"cache {paths[c]}: too little text for a {split} split ({len(cache)} document(s), "
+                         f"{len(cache.tokens)} tokens); add text{fix}")
       shuffle_seed = _seed32(seed, c) if split == "train" else _seed32(EVAL_SEED, c)
       source = _Pieces(starts + bases[c], pairs)
       parts.append(grain.MapDataset.source(source).shuffle(seed=shuffle_seed).repeat())
@@ -177,7 +150,8 @@ class TextPipeline:
   def set_state(self, state: dict) -> None:
     """Continues exactly after the saved batch, under any process_count dividing batch_size.
 
-    With another batch_size, packing restarts at the first piece the saved run had not consumed.
+    With another batch_size, packing restarts at the first piece the saved run had not consumed; but a
+    cache split by tokens (a "holdout" tail of one batch) is then split elsewhere, and the state refused.
     """
     if state.get("version") != STATE_VERSION:
       raise ValueError(f"data iterator state version {state.get('version')!r}; this code reads {STATE_VERSION}")

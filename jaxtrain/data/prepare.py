@@ -7,8 +7,8 @@ fingerprint, and the rules (format, text_field, add_bos, add_eos, bad_utf8). Oth
 is removed first, so a stale cache never looks complete, and it is rebuilt.
 
 Building: the source's pieces (sources.py) are grouped in order into shards of about shard_bytes
-of input. Workers (spawned processes: safe beside jax's threads, but a script that calls prepare
-needs an `if __name__ == "__main__":` guard) tokenize one shard each and write
+of input. Workers (child processes, workers.py: safe beside jax's threads, and a script that calls
+prepare needs no `if __name__ == "__main__":` guard) tokenize one shard each and write
 CACHE/shards-KEY/NNNNN.npz through an atomic rename, so a killed run (even kill -9) leaves only
 whole shards, which a rerun skips. When all are done they are concatenated in order (the same
 bytes for any number of workers), report.json is written, then the manifest, and the shards go.
@@ -16,7 +16,6 @@ bytes for any number of workers), report.json is written, then the manifest, and
 
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -27,11 +26,12 @@ import tqdm
 
 from jaxtrain.data import cache as cache_lib
 from jaxtrain.data import report as report_lib
-from jaxtrain.data import sources
+from jaxtrain.data import sources, splits
+from jaxtrain.data import workers as workers_lib
 from jaxtrain.data.sources import DataError
 from jaxtrain.data.tokenizers import load_tokenizer
 
-VERSION = 1  # bump when the cache layout or a rule changes
+VERSION = 2  # bump when the cache layout or a rule changes (2: BOM-marked and compressed files decoded)
 SMALL_FILE = 1 << 20  # files up to this size are hashed into the fingerprint
 MIN_SHARD, MAX_SHARD = 1 << 20, 64 << 20  # default shards: 1/256 of the input within these bounds
 RUN_KEYS = ("cache", "weight", "cache_reused", "shards", "shards_reused")  # returned, not in report.json
@@ -144,31 +144,19 @@ def _shard_chunks(paths):
       yield z["tokens"], z["lengths"]
 
 
-def _run_shard(tokenizer, index, pieces, rules, path):
+def run_shard(tokenizer, index, pieces, rules, path):
+  """Tokenizes and writes one shard; (index, counts)."""
   tokens, lengths, counts = tokenize_shard(tokenizer, pieces, rules)
   _write_shard(path, tokens, lengths, counts)
   return index, counts
 
 
-_WORKER = {}
-
-
-def _init_worker(tokenizer_spec):
-  _WORKER["tokenizer"] = load_tokenizer(tokenizer_spec)
-
-
-def _work(task):
-  return _run_shard(_WORKER["tokenizer"], *task)
-
-
 def _run(tokenizer, tasks, workers):
   """(index, counts) of each task as it finishes; in this process when one worker is enough."""
   if workers <= 1 or len(tasks) <= 1:
-    yield from (_run_shard(tokenizer, *task) for task in tasks)
+    yield from (run_shard(tokenizer, *task) for task in tasks)
     return
-  ctx = multiprocessing.get_context("spawn")
-  with ctx.Pool(min(workers, len(tasks)), _init_worker, (tokenizer.spec(),)) as pool:
-    yield from pool.imap_unordered(_work, tasks)
+  yield from workers_lib.run(tokenizer.spec(), tasks, workers)
 
 
 def _shard_dir(cache_path: str, fp: str, shard_bytes: int) -> str:
@@ -267,14 +255,34 @@ def _cores() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def check_splits(cfg, layout) -> None:
+  """A one-line DataError naming the flag that fixes it when a cache cannot give training (or, with
+  train.eval_every, evaluation) a next-token pair; the pipeline splits the same way (splits.py)."""
+  d, t = cfg.data, cfg.train
+  if t.eval_every and not d.eval_fraction > 0:
+    raise DataError("train.eval_every needs held-out text: set --config.data.eval_fraction=0.05 "
+                    "(or --config.train.eval_every=0)")
+  for spec, _, path in layout:
+    offsets = np.load(os.path.join(path, "offsets.npy"))
+    cut = splits.split(offsets, d.eval_fraction, t.batch_size * t.seq_len + 1)
+    for name, ranges in [("training", cut.train)] + [("eval", cut.eval)] * bool(t.eval_every):
+      if not splits.pairs(ranges):
+        fix = " or set --config.train.eval_every=0" if name == "eval" else ""
+        raise DataError(f"data.path entry {spec!r}: {len(offsets) - 1} document(s), {offsets[-1]} tokens: too little "
+                        f"text for a {name} split; add text{fix}")
+
+
 def prepare(cfg, workdir: str, tokenizer, seq_len: int | None = None, progress: bool = True) -> dict:
   """Prepares every source of cfg.data.path; returns the combined report (also CACHE_ROOT/report.json)
-  with one entry per source under "sources". seq_len defaults to train.seq_len."""
+  with one entry per source under "sources". seq_len defaults to train.seq_len. Fails (check_splits)
+  when a source is too small to split for training and evaluation."""
   seq_len = cfg.train.seq_len if seq_len is None else seq_len
   workers = cfg.data.prepare_workers or _cores()
   rules = rules_of(cfg.data)
+  layout = cache_layout(cfg, workdir)
   reports = [{**prepare_source(spec, path, tokenizer, rules, workers, progress, seq_len), "weight": weight}
-             for spec, weight, path in cache_layout(cfg, workdir)]
+             for spec, weight, path in layout]
+  check_splits(cfg, layout)
   total = {"seq_len": seq_len, "cache_dir": cache_root(cfg, workdir)}
   for r in reports:
     report_lib.merge(total, {k: v for k, v in r.items() if k != "seq_len"})

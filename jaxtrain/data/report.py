@@ -1,19 +1,26 @@
-"""Bad-input rules and the data report that counts every case. Stdlib only.
+"""Bad-input rules and the data report that counts every case. Stdlib only (and decoding.py).
 
 Every document read is counted once: kept, or skipped for the first reason that applies:
   malformed_json  a jsonl line or JSON record that does not parse (examples give file:LINE)
   missing_field   JSON that is not an object or lacks a string data.text_field; a null cell
   empty           no bytes or only whitespace (also once NUL bytes are removed)
   binary          over 30% of its bytes are control bytes (0x00-0x08, 0x0E-0x1F, 0x7F) or invalid
-                  UTF-8 sequences: executables, images, archives, UTF-16, NUL-heavy files
+                  UTF-8 sequences: executables, images, archives, UTF-16 without a BOM, NUL-heavy files
   invalid_utf8    invalid UTF-8 when data.bad_utf8 is "skip"
+  corrupt_compressed  a .gz/.zst text file that does not decompress whole; in a jsonl file the line where
+                  the damage begins (file:LINE; the lines decompressed before it are kept)
+Converted, and counted, before these rules (decoding.py): decompressed_gzip and decompressed_zstd count
+files that decompressed whole; decoded_utf16, decoded_utf32 and removed_utf8_bom count documents (text
+files, records, cells) and jsonl files that start with that byte-order mark.
 Kept documents are repaired and counted: invalid UTF-8 (data.bad_utf8 "repair") becomes U+FFFD, one
 per bad sequence as Python's "replace" does; NUL bytes are removed. A file that holds no document
 (0 bytes, or a table without rows) counts as an empty file. long_documents counts kept documents of
 more than seq_len tokens (BOS/EOS included), which the pipeline splits; none is dropped.
 """
 
-SKIPPED = ("malformed_json", "missing_field", "empty", "binary", "invalid_utf8")
+from jaxtrain.data import decoding
+
+SKIPPED = ("malformed_json", "missing_field", "empty", "binary", "invalid_utf8", "corrupt_compressed")
 REPAIRED = ("invalid_utf8", "nul")
 EXAMPLES = 5  # locations kept per case
 BINARY_FRACTION = 0.3
@@ -24,6 +31,7 @@ _REPLACEMENT = "\ufffd".encode()
 def new_counts() -> dict:
   return {"files": 0, "empty_files": 0, "input_bytes": 0, "documents": 0, "kept": 0, "tokens": 0,
           "skipped": dict.fromkeys(SKIPPED, 0), "repaired": dict.fromkeys(REPAIRED, 0),
+          "converted": dict.fromkeys(decoding.CONVERTED, 0),
           "nul_bytes_removed": 0, "examples": {}}
 
 
@@ -56,6 +64,10 @@ def clean(raw: bytes | None, reason: str | None, bad_utf8: str, counts: dict, wh
   `reason` is a skip reason the reader already found (malformed_json, missing_field), else None."""
   counts["documents"] += 1
   bad = nul = 0
+  if reason is None:
+    raw, case = decoding.transcode(raw)
+    if case:
+      note(counts, case, where, "converted")
   if reason is None and _blank(raw):
     reason = "empty"
   if reason is None:
@@ -112,7 +124,8 @@ def format_report(report: dict) -> str:
            f"{r['documents']:,} document(s): {r['kept']:,} kept, {r['tokens']:,} tokens"]
   if r["empty_files"]:
     lines.append(f"  empty files {r['empty_files']:,}{_where(ex.get('empty_files', []), r['empty_files'])}")
-  lines += [_cases(r["skipped"], "skipped", ex), _cases(r["repaired"], "repaired", ex)]
+  lines += [_cases(r.get("converted", {}), "converted", ex), _cases(r["skipped"], "skipped", ex),
+            _cases(r["repaired"], "repaired", ex)]
   if r["nul_bytes_removed"]:
     lines.append(f"  NUL bytes removed: {r['nul_bytes_removed']:,}")
   if r.get("seq_len"):

@@ -2,9 +2,11 @@
 
 data.path is one source or a comma-separated mixture, each entry `SPEC[@WEIGHT]`; a SPEC is a file,
 a directory (recursive, hidden entries skipped), a glob, or a Hugging Face dataset saved with
-`save_to_disk`. Formats, by data.format or (auto) by extension:
+`save_to_disk`. Directories and `**` follow symlinks into each real directory once (loops end), and a
+file reached under two names (links) is read once (filetree.py). Formats, by data.format or (auto) by extension:
   text         each file is one document (.txt, .py, ... and any unknown extension)
   jsonl        each line is a JSON object; data.text_field holds the document (.jsonl, .json, .ndjson)
+  (text and jsonl files may be compressed, a.txt.gz or a.jsonl.zst, and UTF-16/32 by their BOM: decoding.py)
   parquet      each row; data.text_field names a string or binary column (.parquet)
   arrayrecord  each record: UTF-8 text, or JSON with data.text_field when the file's first record is
                such an object (.arrayrecord, .array_record)
@@ -14,20 +16,19 @@ A piece is a slice of one file that a worker reads on its own; readers yield (ra
 skip reason) per document, and iter_texts turns them into clean text by the rules of report.py.
 """
 
+import codecs
 import functools
-import glob
 import json
 import math
 import os
 import stat
 from typing import NamedTuple
 
-from jaxtrain.data import report
+from jaxtrain.data import decoding, filetree, report
 
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
               ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord"}
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-_GLOB_CHARS = "*?["
 
 
 class DataError(ValueError):
@@ -72,18 +73,12 @@ def is_hf_dataset(path: str) -> bool:
 
 
 def format_of(path: str, fmt: str) -> str:
-  """The format of one file: data.format, or (auto) by extension, text when unknown."""
-  if fmt != "auto":
-    return fmt
-  return EXTENSIONS.get(os.path.splitext(path)[1].lower(), "text")
-
-
-def _walk(root: str) -> list[str]:
-  out = []
-  for dirpath, dirs, files in os.walk(root, followlinks=True):
-    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    out += [os.path.join(dirpath, f) for f in sorted(files) if not f.startswith(".")]
-  return out
+  """The format of one file: data.format, or (auto) by extension (a.jsonl.gz is jsonl), text when unknown."""
+  if fmt == "auto":
+    fmt = EXTENSIONS.get(os.path.splitext(decoding.without_compression(path))[1].lower(), "text")
+  if decoding.compression(path) and fmt not in ("text", "jsonl"):
+    raise DataError(f"{path}: a compressed {fmt} file cannot be read; decompress it")
+  return fmt
 
 
 def _check_readable(path: str) -> None:
@@ -105,17 +100,18 @@ def list_files(spec: str, fmt: str) -> list[tuple[str, str]]:
       raise DataError(f"data.path {spec!r} is not a saved Hugging Face dataset (no {', '.join(HF_MARKERS)})")
     return [(spec, "hf")]
   if os.path.isdir(spec):
-    files = _walk(spec)
+    files = filetree.walk(spec)
     if not files:
       raise DataError(f"data.path {spec!r} is a directory without files")
   elif os.path.lexists(spec):
     files = [spec]
-  elif any(c in spec for c in _GLOB_CHARS):
-    files = sorted(f for f in glob.glob(spec, recursive=True) if not os.path.isdir(f))
+  elif any(c in spec for c in filetree.GLOB_CHARS):
+    files = filetree.glob(spec)
     if not files:
       raise DataError(f"data.path {spec!r} matches no files")
   else:
     raise DataError(f"data.path {spec!r} does not exist")
+  files = filetree.once(files)
   for f in files:
     _check_readable(f)
   return [(f, format_of(f, fmt)) for f in files]
@@ -133,9 +129,13 @@ def _plan_text(path, text_field, piece_bytes):
 
 
 def _plan_jsonl(path, text_field, piece_bytes):
-  """Byte ranges that start on a line, each at least piece_bytes (the last may be shorter)."""
+  """Byte ranges that start on a line, each at least piece_bytes (the last may be shorter); a compressed
+  or UTF-16/32 file is one piece, "jsonl_stream", read whole."""
   pieces, start, offset, line = [], 0, 0, 1
   with open(path, "rb") as f:
+    if decoding.compression(path) or decoding.needs_decoding(f.read(4)):
+      return [Piece("jsonl_stream", path, 0, os.path.getsize(path), 1, os.path.getsize(path))]
+    f.seek(0)
     for k, raw in enumerate(f, 1):
       offset += len(raw)
       if offset - start >= piece_bytes:
@@ -274,18 +274,73 @@ def _read(path: str, start: int = 0, size: int = -1) -> bytes:
     raise DataError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _read_text(piece, text_field):
-  yield _read(piece.path), piece.first, None
+def _converted(counts: dict, case: str, path: str) -> None:
+  report.note(counts, case, path, "converted")
 
 
-def _read_jsonl(piece, text_field):
-  lines = _read(piece.path, piece.start, piece.stop - piece.start).split(b"\n")
+def _read_text(piece, text_field, counts):
+  """The file is the document; a compressed one that does not decompress whole is skipped."""
+  kind = decoding.compression(piece.path)
+  if kind is None:
+    yield _read(piece.path), piece.first, None
+    return
+  try:
+    raw = b"".join(decoding.file_chunks(piece.path))
+  except decoding.CorruptFile:
+    yield None, piece.first, "corrupt_compressed"
+    return
+  _converted(counts, f"decompressed_{kind}", piece.path)
+  yield raw, piece.first, None
+
+
+def _jsonl_line(line: bytes, text_field: str):
+  line = line[:-1] if line.endswith(b"\r") else line
+  return _from_json(line, text_field) if line.strip() else (b"", None)
+
+
+def _read_jsonl(piece, text_field, counts):
+  data = _read(piece.path, piece.start, piece.stop - piece.start)
+  if piece.start == 0 and data.startswith(codecs.BOM_UTF8):
+    data = data[len(codecs.BOM_UTF8):]
+    _converted(counts, "removed_utf8_bom", piece.path)
+  lines = data.split(b"\n")
   if not lines[-1]:
     lines.pop()  # the text after the final newline is not a line
   for k, line in enumerate(lines):
-    line = line[:-1] if line.endswith(b"\r") else line
-    raw, reason = _from_json(line, text_field) if line.strip() else (b"", None)
+    raw, reason = _jsonl_line(line, text_field)
     yield raw, piece.first + k, reason
+
+
+def _lines(chunks):
+  """The lines of a stream of chunks (without the newline); the text after the final newline is one."""
+  parts = []
+  for chunk in chunks:
+    first, *lines = chunk.split(b"\n")
+    parts.append(first)
+    if lines:
+      yield b"".join(parts)
+      yield from lines[:-1]
+      parts = [lines[-1]]
+  if tail := b"".join(parts):
+    yield tail
+
+
+def _read_jsonl_stream(piece, text_field, counts):
+  """A compressed or UTF-16/32 file, line by line; the lines that decompressed before damage are kept."""
+  index = piece.first
+  try:
+    for line in _lines(decoding.utf8_chunks(decoding.file_chunks(piece.path),
+                                            lambda case: _converted(counts, case, piece.path))):
+      raw, reason = _jsonl_line(line, text_field)
+      yield raw, index, reason
+      index += 1
+  except decoding.CorruptFile:
+    yield None, index, "corrupt_compressed"
+    return
+  except OSError as e:
+    raise DataError(f"cannot read {piece.path}: {e.strerror or e}") from None
+  if kind := decoding.compression(piece.path):
+    _converted(counts, f"decompressed_{kind}", piece.path)
 
 
 def _cells(values, first):
@@ -294,39 +349,40 @@ def _cells(values, first):
     yield raw, first + k, reason
 
 
-def _read_parquet(piece, text_field):
+def _read_parquet(piece, text_field, counts):
   import pyarrow.parquet as pq
   table = pq.ParquetFile(piece.path).read_row_groups(range(piece.start, piece.stop), columns=[text_field])
   return _cells(table.column(0).to_pylist(), piece.first)
 
 
-def _read_arrayrecord(piece, text_field):
+def _read_arrayrecord(piece, text_field, counts):
   records = _array_record(piece.path).__getitems__(range(piece.start, piece.stop))
   for k, record in enumerate(records):
     raw, reason = _from_json(record, text_field) if piece.fmt == "arrayrecord_json" else (record, None)
     yield raw, piece.first + k, reason
 
 
-def _read_hf(piece, text_field):
+def _read_hf(piece, text_field, counts):
   rows = _hf_dataset(piece.path).select_columns([text_field])[piece.start:piece.stop]
   return _cells(rows[text_field], piece.first)
 
 
-READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet,
-           "arrayrecord": _read_arrayrecord, "arrayrecord_json": _read_arrayrecord, "hf": _read_hf}
+READERS = {"text": _read_text, "jsonl": _read_jsonl, "jsonl_stream": _read_jsonl_stream,
+           "parquet": _read_parquet, "arrayrecord": _read_arrayrecord, "arrayrecord_json": _read_arrayrecord,
+           "hf": _read_hf}
 
 
 def location(piece: Piece, index: int) -> str:
   """Where a document is, for the report: the file, file:LINE (jsonl) or file[ROW]."""
   if piece.fmt == "text":
     return piece.path
-  return f"{piece.path}:{index}" if piece.fmt == "jsonl" else f"{piece.path}[{index}]"
+  return f"{piece.path}:{index}" if piece.fmt.startswith("jsonl") else f"{piece.path}[{index}]"
 
 
 def iter_texts(pieces, text_field: str, bad_utf8: str, counts: dict):
   """The clean text of every usable document of the pieces, in order; counts every case."""
   for piece in pieces:
-    for raw, index, reason in READERS[piece.fmt](piece, text_field):
+    for raw, index, reason in READERS[piece.fmt](piece, text_field, counts):
       text = report.clean(raw, reason, bad_utf8, counts, lambda: location(piece, index))
       if text is not None:
         yield text

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from jaxtrain.data.cache import write_cache
-from jaxtrain.data.pipeline import TextPipeline, eval_mask
+from jaxtrain.data.pipeline import TextPipeline
+from jaxtrain.data.splits import eval_mask
 
 from tests.fixtures import ROOT
 SEQ, ROWS = 16, 4
@@ -226,8 +227,9 @@ def test_resume_in_fresh_process_under_any_process_count(corpus, tmp_path):
   with open(tmp_path / "jobs.json", "w") as f:
     json.dump(spec, f)
   env = {**os.environ, "PYTHONPATH": ROOT}
-  run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "data", "pipeline_worker.py"), str(tmp_path / "jobs.json")],
-                       env=env, capture_output=True, text=True, timeout=120)
+  worker = os.path.join(ROOT, "tests", "data", "pipeline_worker.py")
+  run = subprocess.run([sys.executable, worker, str(tmp_path / "jobs.json")], env=env, capture_output=True, text=True,
+                       timeout=120)
   assert run.returncode == 0, run.stderr[-2000:]
   for (c, i), job in zip(jobs, spec):
     lo, hi = i * ROWS // c, (i + 1) * ROWS // c

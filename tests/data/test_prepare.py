@@ -17,8 +17,10 @@ import pytest
 from jaxtrain.config import default_config
 from jaxtrain.data.cache import Cache, read_manifest
 from jaxtrain.data.prepare import RUN_KEYS, corpus_texts, prepare, prepare_source, rules_of
+from jaxtrain.data.report import format_report
 from jaxtrain.data.sources import DataError
 from jaxtrain.data.tokenizers import Bytes
+from tests.fixtures import ROOT
 
 CACHE_FILES = ("tokens.bin", "offsets.npy", "manifest.json", "report.json")
 LONG = "y" * 300
@@ -94,7 +96,8 @@ def test_every_bad_case_is_counted_exactly(tmp_path):
   r = prepare_source(str(tmp_path / "corpus"), str(tmp_path / "cache"), Bytes(), rules(), seq_len=seq_len,
                      shard_bytes=64)
   assert (r["files"], r["empty_files"], r["documents"], r["kept"]) == (7, 1, 10, 6)
-  assert r["skipped"] == {"malformed_json": 1, "missing_field": 1, "empty": 1, "binary": 1, "invalid_utf8": 0}
+  assert r["skipped"] == {"malformed_json": 1, "missing_field": 1, "empty": 1, "binary": 1, "invalid_utf8": 0,
+                       "corrupt_compressed": 0}
   assert r["repaired"] == {"invalid_utf8": 1, "nul": 1} and r["nul_bytes_removed"] == 2
   assert (r["long_documents"], r["max_document_tokens"]) == (1, 302)
   c = str(tmp_path / "corpus")
@@ -155,7 +158,8 @@ def test_kill_9_then_rerun_resumes_and_equals_an_uninterrupted_run(tmp_path):
   code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); from test_prepare import SlowBytes; "
           f"from test_prepare import prepare_source, rules; "
           f"prepare_source({str(corpus)!r}, {str(cache)!r}, SlowBytes(), rules(), shard_bytes=100)")
-  proc = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          env={**os.environ, "PYTHONPATH": ROOT})  # this checkout's jaxtrain, not an installed one
   deadline = time.time() + 60
   while len(glob.glob(str(cache / "shards-*" / "*.npz"))) < 3 and time.time() < deadline and proc.poll() is None:
     time.sleep(0.01)
@@ -255,3 +259,21 @@ def test_no_usable_text_missing_and_unreadable_paths_are_one_line_errors(tmp_pat
     assert fragment in str(e.value) and "\n" not in str(e.value)
   reports = glob.glob(str(tmp_path / "run" / "data_cache" / "*junk-*" / "report.json"))
   assert len(reports) == 1 and json.load(open(reports[0]))["skipped"]["binary"] == 1
+
+
+def test_decoded_and_decompressed_files_are_in_the_report(tmp_path):
+  from tests.data.test_sources import write_encoded_corpus
+  kept = write_encoded_corpus(tmp_path / "c")
+  one, two = (prepare_source(str(tmp_path / "c"), str(tmp_path / name), Bytes(), rules(), workers=w, shard_bytes=40)
+              for name, w in (("one", 1), ("two", 2)))
+  assert_docs(tmp_path / "one", kept)
+  assert_same_cache(str(tmp_path / "one"), str(tmp_path / "two"))
+  assert one["converted"] == two["converted"] == {"decompressed_gzip": 3, "decompressed_zstd": 2, "decoded_utf16": 5,
+                                                  "decoded_utf32": 2, "removed_utf8_bom": 2}
+  assert (one["skipped"]["corrupt_compressed"], one["skipped"]["binary"], one["kept"]) == (2, 1, 17)
+  lines = format_report(one).replace(str(tmp_path / "c"), "C").splitlines()
+  assert lines[1:3] == [
+      "  converted 14: decompressed_gzip 3 (C/f_gz.txt.gz, C/h_u16.txt.GZ, ...); decompressed_zstd 2 "
+      "(C/g_zst.txt.zst, C/n.ndjson.zst); decoded_utf16 5 (C/a_u16le.txt, C/b_u16be.txt, ...); decoded_utf32 2 "
+      "(C/c_u32le.txt, C/d_u32be.txt); removed_utf8_bom 2 (C/e_u8bom.txt, C/o_u8bom.jsonl)",
+      "  skipped 3: binary 1 (C/i_nobom.txt); corrupt_compressed 2 (C/k_corrupt.txt.gz, C/p_trunc.jsonl.gz:1)"]
