@@ -41,15 +41,15 @@ def plot(workdirs: list[str], out: str | None = None) -> Figure:
 
 
 def draw_panel(ax, runs, key: str, title: str, floor: str | None):
-  """`key` against step, a line per run labelled by its name, and the run's floor dashed in its colour."""
+  """`key` against step, a line per run labelled by its name, then the floors (draw_floors)."""
+  drawn = []
   for run in runs:
     steps, values = series(run.timed if key in TIMED else run.rows, key)
-    if not steps:
-      continue
-    (line,) = ax.plot(steps, values, marker=".", markersize=4, label=run.name)
-    floors = series(run.rows, floor)[1] if floor else []
-    if floors:
-      ax.axhline(floors[-1], color=line.get_color(), linestyle="--", linewidth=1, label=f"{run.name} floor")
+    if steps:
+      (line,) = ax.plot(steps, values, marker=".", markersize=4, label=run.name)
+      drawn.append((run, line.get_color()))
+  if floor:
+    draw_floors(ax, drawn, floor)
   ax.set_title(title)
   ax.set_xlabel("step")
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -60,6 +60,21 @@ def draw_panel(ax, runs, key: str, title: str, floor: str | None):
     ax.legend(fontsize="small")
   else:
     ax.text(0.5, 0.5, f"no run logged {key}", ha="center", va="center", transform=ax.transAxes)
+
+
+def draw_floors(ax, drawn: list[tuple], floor: str):
+  """A dashed line per distinct floor value (the last logged): in its run's colour when one run has it,
+  grey when several share it (a sweep over one data config)."""
+  by_value = {}
+  for run, color in drawn:
+    values = series(run.rows, floor)[1]
+    if values:
+      by_value.setdefault(values[-1], []).append((run.name, color))
+  for value, owners in by_value.items():
+    names = [name for name, _ in owners]
+    label = f"{names[0]} floor" if len(owners) == 1 else f"floor of {', '.join(names)}"
+    label = "floor of all runs" if len(owners) == len(drawn) > 1 else label
+    ax.axhline(value, color=owners[0][1] if len(owners) == 1 else "grey", linestyle="--", linewidth=1, label=label)
 
 
 def main(argv=None) -> int:

@@ -38,19 +38,31 @@ def test_lines_equal_the_metrics(tmp_path):
   loss, evals, tokens, mfu = fig.axes
   assert [ax.get_title() for ax in fig.axes] == TITLES
   # newest row per step (step 4 logged again after the resume), the torn line and checkpoint events skipped
-  assert lines(loss) == [("a", [1, 2, 3, 4, 5, 6], [5.0, 4.0, 3.5, 3.3, 3.0, 2.8]), ("a floor", [0, 1], [2.0, 2.0]),
-                         ("b", [1, 2, 3, 4, 5], [6.0, 5.0, 4.5, 4.0, 3.75])]
-  assert lines(evals) == [("a", [2, 6], [4.6, 3.1]), ("a floor", [0, 1], [2.5, 2.5]), ("b", [2, 4], [3.9, 4.2])]
+  assert lines(loss) == [("a", [1, 2, 3, 4, 5, 6], [5.0, 4.0, 3.5, 3.3, 3.0, 2.8]),
+                         ("b", [1, 2, 3, 4, 5], [6.0, 5.0, 4.5, 4.0, 3.75]), ("a floor", [0, 1], [2.0, 2.0])]
+  assert lines(evals) == [("a", [2, 6], [4.6, 3.1]), ("b", [2, 4], [3.9, 4.2]), ("a floor", [0, 1], [2.5, 2.5])]
   # throughput: not the first row after a start or a restore (compilation), nor a row with an evaluation
   assert lines(tokens) == [("a", [3, 4, 5], [1000.0, 1200.0, 1100.0]), ("b", [3, 5], [800.0, 600.0])]
   assert lines(mfu) == [("a", [3, 4, 5], [0.10, 0.12, 0.11]), ("b", [3, 5], [0.08, 0.06])]
-  assert [t.get_text() for t in loss.get_legend().get_texts()] == ["a", "a floor", "b"]
-  assert loss.get_lines()[1].get_color() == loss.get_lines()[0].get_color()  # a floor in its run's colour
+  assert [t.get_text() for t in loss.get_legend().get_texts()] == ["a", "b", "a floor"]
+  assert loss.get_lines()[2].get_color() == loss.get_lines()[0].get_color()  # a's floor in a's colour
   assert png_size(out) == (1200, 800)
   with Image.open(out) as image:
     image.verify()
   with Image.open(out) as image:  # drawn on: not a blank canvas
     assert len(np.unique(np.asarray(image.convert("L")))) > 10
+
+
+def test_a_shared_floor_is_one_grey_line(tmp_path):
+  a, b = write_a_b(str(tmp_path))
+  a2 = write_run(str(tmp_path), "a2", A_ROWS)
+  a3 = write_run(str(tmp_path), "a3", [dict(r, entropy_floor=1.5) for r in A_ROWS if "event" not in r])
+  loss = plot([a, b, a2, a3]).axes[0]
+  assert [ln.get_label() for ln in loss.lines[:4]] == ["a", "b", "a2", "a3"]
+  floors = [(ln.get_label(), ln.get_ydata()[0], ln.get_color()) for ln in loss.lines[4:]]
+  assert floors == [("floor of a, a2", 2.0, "grey"), ("a3 floor", 1.5, loss.lines[3].get_color())]
+  floors = [(ln.get_label(), ln.get_ydata()[0], ln.get_color()) for ln in plot([a, a2]).axes[0].lines[2:]]
+  assert floors == [("floor of all runs", 2.0, "grey")]
 
 
 def test_runs_named_by_path_when_directories_share_a_name(tmp_path):
