@@ -1,0 +1,1 @@
+"""Command-line tools over the library: `python tools/NAME.py --help`; each is importable as tools.NAME."""
