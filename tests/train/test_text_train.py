@@ -11,7 +11,7 @@ import pytest
 import jaxtrain
 from jaxtrain import metrics
 from jaxtrain.__main__ import main
-from tests.fixtures import tiny_config
+from tests.fixtures import ROOT, tiny_config
 
 
 def corpus(tmp_path):
@@ -56,14 +56,13 @@ def test_text_kind_trains_resumes_bitwise_and_samples(tmp_path):
 
 
 def test_prepare_cli_and_bad_corpus(tmp_path, capsys):
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   path = corpus(tmp_path)
-  assert main(["prepare", f"--config={root}/configs/text_tiny.py", f"--workdir={tmp_path}/w",
+  assert main(["prepare", f"--config={ROOT}/configs/text_tiny.py", f"--workdir={tmp_path}/w",
                f"--config.data.path={path}"]) == 0
   assert "document" in capsys.readouterr().out
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "a.txt").write_text("")
-  code = main(["prepare", f"--config={root}/configs/text_tiny.py", f"--workdir={tmp_path}/w2",
+  code = main(["prepare", f"--config={ROOT}/configs/text_tiny.py", f"--workdir={tmp_path}/w2",
                f"--config.data.path={tmp_path}/empty/*.txt"])
   lines = capsys.readouterr().err.strip().splitlines()  # after prepare's progress bar: one error line
   assert code == 2 and lines[-1].startswith("error: ") and "no usable text" in lines[-1], lines
@@ -80,7 +79,8 @@ def test_corpus_of_every_bad_case_trains_and_is_counted(tmp_path):
   assert np.isfinite(final["loss"])
   r = json.load(open(tmp_path / "run" / "data_cache" / "report.json"))
   assert (r["files"], r["empty_files"], r["documents"], r["kept"]) == (7, 1, 10, 6)
-  assert r["skipped"] == {"malformed_json": 1, "missing_field": 1, "empty": 1, "binary": 1, "invalid_utf8": 0}
+  assert r["skipped"] == {"malformed_json": 1, "missing_field": 1, "empty": 1, "binary": 1, "invalid_utf8": 0,
+                          "corrupt_compressed": 0}
   # longer than seq_len=16 with BOS/EOS: the latin-1 (17), NUL (19) and long (302) documents
   assert r["repaired"] == {"invalid_utf8": 1, "nul": 1} and r["long_documents"] == 3
 
