@@ -15,7 +15,8 @@ _MUON_DIMS = {
 
 
 def _leaf_name(path) -> str:
-  return str(getattr(path[-1], "key", path[-1]))
+  """The parameter's name: its last dict key (a logical-axis box around the leaf adds an attribute key)."""
+  return [p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1]
 
 
 def decay_mask(params):

@@ -238,10 +238,14 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True, 
       # The first step is always logged alone: its time includes compilation, later windows' do not.
       pending = (step + 1, step_metrics, is_last or step == start or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
+        jax.block_until_ready(state)  # the step's own time stays in the step's window, the eval's does not
+        eval_start = time.perf_counter()
         result = evaluate(eval_fn, state, feed, task, t.eval_batches)
+        result["eval_time_s"] = time.perf_counter() - eval_start
+        log.window_start += result["eval_time_s"]
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if show:
-          bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items()))
+          bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items() if k != "eval_time_s"))
       step += 1
       if preemption.check(step):
         pending = (*pending[:2], True, pending[3])

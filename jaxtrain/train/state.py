@@ -11,6 +11,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain import parallel
 
@@ -45,7 +46,17 @@ def abstract_state(task, tx) -> TrainState:
 def state_shardings(task, tx, mesh, rules_name: str) -> TrainState:
   """Shardings of every leaf of the train state, from its logical annotations."""
   boxed = jax.eval_shape(init_fn(task, tx, boxed=True), 0)
-  return parallel.logical_shardings(nn.get_partition_spec(boxed), mesh, rules_name)
+  return parallel.logical_shardings(_logical_specs(boxed), mesh, rules_name)
+
+
+def _logical_specs(tree):
+  """nn.get_partition_spec, except that a box around no array (optax.masked puts an empty MaskedNode
+  where a transformation does not apply) stays empty rather than becoming a spec with nothing to place."""
+  def spec(x):
+    if isinstance(x, nn.Partitioned):
+      return x.get_partition_spec() if jax.tree.leaves(x.value) else x.value
+    return P() if hasattr(x, "shape") else x
+  return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def create_state(task, tx, seed: int, mesh, rules_name: str) -> tuple[TrainState, TrainState]:

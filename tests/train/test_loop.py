@@ -9,11 +9,9 @@ import pytest
 
 import jaxtrain
 from jaxtrain import checkpoint, metrics
-from jaxtrain.config import load_config_file
+from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.train import loop, workdir as workdir_lib
-from tests.fixtures import tiny_config
-
-from tests.fixtures import ROOT
+from tests.fixtures import ROOT, tiny_config
 KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s", "entropy_floor"}
 
 
@@ -98,3 +96,36 @@ def test_sample_bad_input_is_one_line_exit_2(tmp_path, capsys):
   assert main(["sample", f"--workdir={tmp_path}", "--bogus=1"]) == 2
   errors = capsys.readouterr().err.strip().splitlines()
   assert len(errors) == 2 and all(e.startswith("error: ") for e in errors), errors
+
+
+def test_a_failed_set_up_leaks_no_thread_file_or_manager(tmp_path):
+  """Three runs that fail after the metrics writer and the checkpoint managers were opened (init_from a
+  directory without checkpoints) leave no TensorBoard thread, event file or Orbax thread behind."""
+  import threading
+  cfg = tiny_config(train=dict(steps=2), checkpoint=dict(init_from=str(tmp_path / "nothing")))
+  (tmp_path / "nothing").mkdir()
+
+  def open_files():
+    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+  def attempt():
+    with pytest.raises(ConfigError, match="init_from"):
+      jaxtrain.train(cfg, str(tmp_path / "run"), progress=False, sync_every_step=True)
+
+  attempt()  # the first one loads whatever a first run loads once (thread pools)
+  threads, files = threading.active_count(), open_files()
+  for _ in range(3):
+    attempt()
+  assert threading.active_count() == threads
+  leaked = {f for f in open_files() - files if str(tmp_path) in f}
+  assert not leaked, leaked
+
+
+def test_progress_bar_is_rate_limited(tmp_path, capfd):
+  """log_every=1 must not redraw the bar on every step (a notebook keeps every redraw as a line)."""
+  cfg = tiny_config(train=dict(steps=40, log_every=1), mesh=dict(data=1))
+  jaxtrain.train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=True)
+  err = capfd.readouterr().err
+  redraws = err.count("\r")
+  assert 1 <= redraws <= 15, redraws
