@@ -67,6 +67,20 @@ BAD = {
     "unwritable checkpoint dir": ["--config.checkpoint.dir=/proc/jaxtrain/ckpt"],
     "adaptive min above max": ["--config.checkpoint.adaptive=true", "--config.checkpoint.adaptive_min_steps=50",
                                "--config.checkpoint.adaptive_max_steps=10"],
+    # every float setting is finite and in range (lr=nan used to pass and its NaN update was applied)
+    "lr nan": ["--config.optim.lr=nan"],
+    "lr inf": ["--config.optim.lr=inf"],
+    "lr negative": ["--config.optim.lr=-1e-3"],
+    "b2 above 1": ["--config.optim.b2=1.5"],
+    "eps zero": ["--config.optim.eps=0"],
+    "weight decay nan": ["--config.optim.weight_decay=nan"],
+    "norm eps inf": ["--config.model.norm_eps=inf"],
+    "capacity factor nan": ["--config.model.n_experts=4", "--config.model.capacity_factor=nan"],
+    "eval fraction above 1": ["--config.data.eval_fraction=2.0"],
+    "sample temperature negative": ["--config.sample.temperature=-1"],
+    "checkpoint seconds nan": ["--config.checkpoint.every_seconds=nan"],
+    "unknown on_divergence": ["--config.optim.on_divergence=ignore"],
+    "no skips allowed": ["--config.optim.max_consecutive_skips=0"],
 }
 
 
