@@ -366,18 +366,31 @@ def incompatible(saved: dict, current: dict) -> list[str]:
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
-  """`path/to/NAME.py[:ARG]` -> the file's get_config(ARG) (ARG is None when absent)."""
+  """`path/to/NAME.py[:ARG]` -> the file's get_config(ARG) (ARG is None when absent). A path that does not
+  exist but names a config shipped with jaxtrain (`configs/tiny.py`, `tiny.py` or `tiny`) loads that one."""
   import importlib.util
   import os
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
-    raise ConfigError(f"--config: no such file {path!r}")
+    path = _shipped_config(path)
   module_spec = importlib.util.spec_from_file_location(f"_jaxtrain_config_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"--config: {path} has no get_config(arg) function")
   return module.get_config(arg or None)
+
+
+def _shipped_config(path: str) -> str:
+  """The file of a config shipped in the package (jaxtrain.configs, the repository's configs/)."""
+  import importlib.resources
+  import os
+  name = os.path.basename(path)
+  name = name if name.endswith(".py") else f"{name}.py"
+  shipped = importlib.resources.files("jaxtrain.configs") / name
+  if os.path.dirname(path) not in ("", "configs") or not shipped.is_file():
+    raise ConfigError(f"--config: no such file {path!r}")
+  return str(shipped)
 
 
 def _parse_value(key: str, text: str, current):

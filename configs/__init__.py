@@ -1,0 +1,1 @@
+"""Experiment configs, one file each: `get_config(arg) -> ConfigDict`. Installed as `jaxtrain.configs`."""
