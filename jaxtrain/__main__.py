@@ -16,6 +16,13 @@ class _Parser(argparse.ArgumentParser):
     raise config_lib.ConfigError(message)
 
 
+def _exit_statuses() -> str:
+  """The statuses a run ends with, as jaxtrain/errors.py documents them."""
+  from jaxtrain import errors
+  return "exit status:\n" + "\n".join(line for line in errors.__doc__.splitlines() if line[:3].strip().isdigit()
+                                       or line.startswith("     "))
+
+
 def parse(argv):
   """Known flags via argparse; `--config.a.b=V` collected as overrides."""
   overrides, rest = {}, []
@@ -29,7 +36,8 @@ def parse(argv):
       rest.append(arg)
   parser = _Parser(prog="python -m jaxtrain")
   sub = parser.add_subparsers(dest="command", required=True)
-  train = sub.add_parser("train", help="train a config in a workdir (resumes when it holds a checkpoint)")
+  train = sub.add_parser("train", help="train a config in a workdir (resumes when it holds a checkpoint)",
+                         epilog=_exit_statuses(), formatter_class=argparse.RawDescriptionHelpFormatter)
   train.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   train.add_argument("--workdir", required=True)
   train.add_argument("--no_sample", action="store_true", help="skip the sample printed after training")
@@ -159,8 +167,8 @@ def main(argv=None) -> int:
       cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
       distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
-      if distributed is not None:
-        _join(distributed)
+      if distributed is not None:  # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line
+        _join({**distributed, "heartbeat_timeout_seconds": int(max(100, 2 * cfg.train.peer_timeout_s))})
       config_lib.validate(cfg, jax.device_count())
     elif overrides:
       raise config_lib.ConfigError("--config.* overrides apply to train and prepare only")

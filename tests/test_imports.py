@@ -4,7 +4,7 @@ import ast
 import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxtrain")
-ORDER = ["config", "data", "kernels", "model", "parallel", "optim", "train"]
+ORDER = ["config", "errors", "data", "kernels", "model", "parallel", "optim", "train"]
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; import nothing of jaxtrain but config
 
 

@@ -51,8 +51,8 @@ def _locked(path: str) -> int | None:
     pid, host, inode = _holder(fd)
     os.close(fd)
     if host != socket.gethostname() or pid is None or _alive(pid):
-      raise config_lib.ConfigError(f"{os.path.dirname(path)} is in use by another training run (pid "
-                                   f"{pid or '?'} on {host or '?'}); wait for it to end or use another --workdir") from None
+      raise config_lib.ConfigError(f"{os.path.dirname(path)} is in use by another training run (pid {pid or '?'} "
+                                   f"on {host or '?'}); wait for it to end or use another --workdir") from None
     with contextlib.suppress(FileNotFoundError):  # stale: replace the file (unless someone already did)
       if os.stat(path).st_ino == inode:
         os.unlink(path)

@@ -18,7 +18,7 @@ import tqdm
 
 from jaxtrain import checkpoint, config as config_lib, data, metrics as metrics_lib, optim, parallel
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, generate, param_count
-from jaxtrain.train import lock, state as state_lib
+from jaxtrain.train import lock, peers, state as state_lib
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.step import eval_step, train_step
 from jaxtrain.train.workdir import check_workdir, load_config, write_config
@@ -159,8 +159,9 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   `devices` defaults to all; `sync_every_step` blocks on each step (many virtual CPU devices on few
   cores have deadlocked XLA's collectives when steps were dispatched ahead); `start_over` deletes
   the workdir's checkpoints and logs (needed when they come from an incompatible config). The workdir
-  is locked for the run: a second run on it is refused (one line)."""
-  with lock.hold(workdir):
+  is locked for the run: a second run on it is refused (one line). Multi-process: a lost peer ends every
+  survivor with one line and status 6 within ~1.2 x `train.peer_timeout_s` (train/peers.py)."""
+  with peers.watch(cfg.train.peer_timeout_s), lock.hold(workdir):
     return _train(cfg, workdir, devices, progress, sync_every_step, start_over)
 
 
