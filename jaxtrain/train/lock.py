@@ -20,13 +20,16 @@ class Lock:
   def __init__(self, workdir: str):
     self.workdir, self.path = workdir, os.path.join(workdir, NAME)
     self._created = not os.path.isdir(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    for _ in range(10):  # another process may replace or remove the file between our open and flock
-      self._fd = _locked(self.path)
-      if self._fd is not None:
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-        return
+    try:
+      os.makedirs(workdir, exist_ok=True)
+      for _ in range(10):  # another process may replace or remove the file between our open and flock
+        self._fd = _locked(self.path)
+        if self._fd is not None:
+          os.ftruncate(self._fd, 0)
+          os.write(self._fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+          return
+    except OSError as e:  # not BlockingIOError: _locked turns a held lock into a ConfigError
+      raise config_lib.ConfigError(f"--workdir {workdir}: cannot lock {self.path}: {e.strerror}") from e
     raise config_lib.ConfigError(f"{workdir}: could not take {self.path}; other processes keep replacing it")
 
   def release(self):

@@ -75,8 +75,8 @@ class Silence:
 
   def longest(self) -> tuple[int | None, float]:
     """(the peer silent longest, seconds); peers that left normally or never wrote are not judged."""
-    live = [(seconds, peer) for peer, seconds in self.seconds.items() if peer not in self.done]
-    return (max(live)[1], max(live)[0]) if live else (None, 0.0)
+    seconds, peer = max(((s, p) for p, s in self.seconds.items() if p not in self.done), default=(0.0, None))
+    return peer, seconds
 
   def who(self, peer: int) -> str:
     words = self.beats.get(peer, "").split()
@@ -222,8 +222,8 @@ def watch(timeout_s: float):
   try:
     yield
     leaving_normally = True
-  except (config_lib.ConfigError, RunError, KeyboardInterrupt):
-    raise  # our own one-line endings, and the user's: no peer to wait for
+  except (config_lib.ConfigError, RunError):
+    raise  # our own one-line endings: no peer to wait for
   except Exception:
     w.settle()  # a lost peer ends the process in here
     raise
