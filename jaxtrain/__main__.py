@@ -16,6 +16,13 @@ class _Parser(argparse.ArgumentParser):
     raise config_lib.ConfigError(message)
 
 
+def _exit_statuses() -> str:
+  """The statuses a run ends with, as jaxtrain/errors.py documents them."""
+  from jaxtrain import errors
+  return "exit status:\n" + "\n".join(line for line in errors.__doc__.splitlines() if line[:3].strip().isdigit()
+                                       or line.startswith("     "))
+
+
 def parse(argv):
   """Known flags via argparse; `--config.a.b=V` collected as overrides."""
   overrides, rest = {}, []
@@ -29,15 +36,21 @@ def parse(argv):
       rest.append(arg)
   parser = _Parser(prog="python -m jaxtrain")
   sub = parser.add_subparsers(dest="command", required=True)
-  train = sub.add_parser("train", help="train a config in a workdir (resumes when it holds a checkpoint)")
+  train = sub.add_parser("train", help="train a config in a workdir (resumes when it holds a checkpoint)",
+                         epilog=_exit_statuses(), formatter_class=argparse.RawDescriptionHelpFormatter)
   train.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   train.add_argument("--workdir", required=True)
   train.add_argument("--no_sample", action="store_true", help="skip the sample printed after training")
   train.add_argument("--start_over", action="store_true",
                      help="delete the workdir's checkpoints and start again (needed when the config changed)")
   train.add_argument("--distributed", action="store_true",
-                     help="multi-host: call jax.distributed.initialize() (cluster auto-detection or "
-                          "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+                     help="multi-process: join jax.distributed first; each of the four flags below, else its "
+                          "variable JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS, "
+                          "else cluster auto-detection (Slurm, Open MPI, TPU)")
+  train.add_argument("--coordinator_address", metavar="HOST:PORT", help="with --distributed: process 0's address")
+  train.add_argument("--num_processes", type=int, metavar="N", help="with --distributed: processes in the run")
+  train.add_argument("--process_id", type=int, metavar="I", help="with --distributed: this process, 0..N-1")
+  train.add_argument("--local_device_ids", metavar="IDS", help="with --distributed: this process's devices, e.g. 0,1")
   prepare = sub.add_parser("prepare", help="tokenize a corpus once into the cache that training reads")
   prepare.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   prepare.add_argument("--workdir", required=True)
@@ -63,6 +76,63 @@ def parse(argv):
   inspect.add_argument("dir", help="a workdir or checkpoint tier directory")
   inspect.add_argument("--step", type=int, default=None, metavar="N", help="the step to describe (default: the newest)")
   return parser.parse_args(rest), overrides
+
+
+DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+                   "process_id": "JAX_PROCESS_ID", "local_device_ids": "JAX_LOCAL_DEVICE_IDS"}
+
+
+def distributed_options(args, environ) -> dict | None:
+  """jax.distributed.initialize's arguments for `train --distributed` (None without it): each flag, else its
+  JAX_* variable; what neither gives is left to jax's cluster auto-detection."""
+  if not getattr(args, "distributed", False):
+    if any(getattr(args, key, None) is not None for key in DISTRIBUTED_ENV):
+      raise config_lib.ConfigError("--coordinator_address, --num_processes, --process_id and --local_device_ids "
+                                   "need --distributed")
+    return None
+  options = {}
+  for key, variable in DISTRIBUTED_ENV.items():
+    flag = getattr(args, key)
+    if flag is not None or environ.get(variable):
+      options[key] = _distributed_value(key, flag, f"--{key}" if flag is not None else variable,
+                                        environ.get(variable))
+  n, i = options.get("num_processes"), options.get("process_id")
+  if n is not None and n < 1:
+    raise config_lib.ConfigError(f"--num_processes={n} must be positive")
+  if n is not None and i is not None and not 0 <= i < n:
+    raise config_lib.ConfigError(f"--process_id={i} must be in [0, {n})")
+  return options
+
+
+def _distributed_value(key: str, flag, source: str, variable: str | None):
+  """One option from its flag (already typed by argparse, except the ids) or its variable's text."""
+  text = str(flag) if flag is not None else variable
+  if key == "coordinator_address":
+    if not text.rpartition(":")[2].isdigit():
+      raise config_lib.ConfigError(f"{source}={text!r}: expected HOST:PORT")
+    return text
+  if key == "local_device_ids":
+    if not all(part.strip().isdigit() for part in text.split(",")):
+      raise config_lib.ConfigError(f"{source}={text!r}: expected integers like 0,1")
+    return [int(part) for part in text.split(",")]
+  try:
+    return int(text)
+  except ValueError:
+    raise config_lib.ConfigError(f"{source}={text!r}: expected an integer") from None
+
+
+def _join(options: dict):
+  """jax.distributed.initialize with `options`; what is missing and no cluster supplied is one line."""
+  import jax
+  try:
+    jax.distributed.initialize(**options)
+  except (ValueError, TypeError) as e:  # jax's own checks, after its cluster auto-detection
+    missing = [f"--{key} (or {DISTRIBUTED_ENV[key]})" for key in ("coordinator_address", "num_processes",
+                                                                   "process_id") if key not in options]
+    if not missing:
+      raise config_lib.ConfigError(f"--distributed: {e}") from e
+    raise config_lib.ConfigError(f"--distributed: {' and '.join(missing)} not given, and no cluster (Slurm, Open "
+                                 f"MPI, TPU) was detected to supply {'it' if len(missing) == 1 else 'them'}") from e
 
 
 def _convert(args) -> int:
@@ -95,9 +165,10 @@ def main(argv=None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     if args.command in ("train", "prepare"):
       cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
+      distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
-      if getattr(args, "distributed", False):
-        jax.distributed.initialize()
+      if distributed is not None:  # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line
+        _join({**distributed, "heartbeat_timeout_seconds": int(max(100, 2 * cfg.train.peer_timeout_s))})
       config_lib.validate(cfg, jax.device_count())
     elif overrides:
       raise config_lib.ConfigError("--config.* overrides apply to train and prepare only")

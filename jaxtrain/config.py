@@ -126,6 +126,7 @@ def default_config() -> ml_collections.ConfigDict:
   t.eval_every = 200
   t.eval_batches = 4
   t.z_loss = 0.0
+  t.peer_timeout_s = 60.0  # multi-process: a peer silent this long is lost; the others end with status 6
 
   c.optim = o = ml_collections.ConfigDict()
   o.name = "adamw"  # one of OPTIMIZERS
@@ -231,7 +232,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
               "max_seq_len"):
     if m[key] <= 0:
       raise ConfigError(f"model.{key} must be positive, got {m[key]}")
-  for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every"):
+  for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s"):
     if t[key] <= 0:
       raise ConfigError(f"train.{key} must be positive, got {t[key]}")
   if m.n_heads % m.n_kv_heads:
@@ -346,7 +347,7 @@ def _validate_moe(m, shape, rules):
 RESUMABLE_CHANGES = ("mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
                      "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
                      "train.eval_batches", "train.microbatches", "data.prefetch", "data.prepare_workers",
-                     "data.cache_dir")
+                     "data.cache_dir", "train.peer_timeout_s")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -4,7 +4,8 @@
   3  preempted: SIGTERM/SIGINT, checkpoint saved (`train.preemption.EXIT_STATUS`)
   4  diverged: `optim.max_consecutive_skips` non-finite updates in a row (`Diverged`)
   5  checkpoints could not be written: the final save, or `checkpoint.max_failed_saves` in a row (`SaveFailed`)
-  6  a peer process of a multi-host run was lost (`PeerLost`)
+  6  a peer process of a multi-process run was lost: one line names it, within ~1.2 x train.peer_timeout_s
+     of the loss (`PeerLost`; train/peers.py ends the process, since its collectives may never return)
 No jax import here.
 """
 

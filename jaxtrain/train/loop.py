@@ -15,7 +15,7 @@ import numpy as np
 import tqdm.auto
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
-from jaxtrain.train import state as state_lib
+from jaxtrain.train import lock, peers, state as state_lib
 from jaxtrain.train.lm import LanguageModel
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.step import make_train_step
@@ -162,7 +162,14 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True, 
   `devices` defaults to all; `sync_every_step` blocks on each step (many virtual CPU devices on few
   cores have deadlocked XLA's collectives when steps were dispatched ahead); `start_over` deletes
   the workdir's checkpoints and logs (needed when they come from an incompatible config). Whatever
-  happens, every sink and manager opened here is closed before it returns or raises."""
+  happens, every sink and manager opened here is closed before it returns or raises. The workdir is
+  locked for the run: a second run on it is refused (one line). Multi-process: a lost peer ends every
+  survivor with one line and status 6 within ~1.2 x `train.peer_timeout_s` (train/peers.py)."""
+  with peers.watch(cfg.train.peer_timeout_s), lock.hold(workdir):
+    return _train(cfg, workdir, task, devices, progress, sync_every_step, start_over)
+
+
+def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
   devices = jax.devices() if devices is None else devices
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)

@@ -1,6 +1,7 @@
 """A run's workdir: its config.json (written atomically, read back), and the check at start that
-refuses a workdir holding an incompatible run, or with `start_over` clears it. Every process takes
-the same branch: process 0's view decides, broadcast to the others."""
+refuses a workdir holding an incompatible run (judged by the config stored in its newest checkpoint,
+config.json or not), or with `start_over` clears it. Every process takes the same branch: process 0's
+view decides, broadcast to the others."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import shutil
 
 import jax
 import numpy as np
+from etils import epath
 
 from jaxtrain import checkpoint, config as config_lib
 
@@ -32,20 +34,35 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
           os.remove(path)
     _sync("jaxtrain_start_over")
     return
-  # Every process must take the same branch (the probe below runs Orbax's cross-process barriers):
-  # process 0's view decides, and the broadcast is also the barrier that keeps any process from
-  # writing this run's config.json before all of them have looked.
-  if not _agreed(os.path.isfile(saved_path)):
-    return
-  saved = load_config(workdir)
-  probe = checkpoint.Checkpoints(saved, workdir, read_only=True)
-  has_checkpoint = probe.latest()[0] is not None
-  probe.close()
-  diff = config_lib.incompatible(saved.to_dict(), cfg.to_dict())
-  if has_checkpoint and diff:
+  # The newest checkpoint's own config is the truth (config.json may be missing or stale). Every process
+  # takes the same branch (the probe runs Orbax's cross-process barriers): process 0's view decides, and the
+  # broadcast is also the barrier that keeps any process from writing config.json before all have looked.
+  saved = load_config(workdir) if _agreed(os.path.isfile(saved_path)) else None
+  stored = newest_stored_config([cfg] + ([saved] if saved else []), workdir, saved)
+  diff = config_lib.incompatible(stored, cfg.to_dict()) if stored is not None else []
+  if diff:
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
     raise config_lib.ConfigError(f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
                                  "to replace it, or use another --workdir")
+
+
+def newest_stored_config(configs, workdir: str, saved=None) -> dict | None:
+  """The config stored with the newest step of any tier of `configs` (the step's `meta` item; `saved`, the
+  config.json, for a step without one), or None when no tier holds a step."""
+  probes = [checkpoint.Checkpoints(c, workdir, read_only=True) for c in configs]
+  try:
+    found = [p.latest() for p in probes]
+    found = [(step, tier) for step, tier in found if step is not None]
+    if not found:
+      return None
+    step, tier = max(found, key=lambda f: f[0])
+    if not (epath.Path(tier.directory) / str(step) / "meta").exists():
+      return saved.to_dict() if saved else None
+    import orbax.checkpoint as ocp
+    return tier.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["config"]
+  finally:
+    for p in probes:
+      p.close()
 
 
 def _probe_directory(what: str, directory: str) -> None:

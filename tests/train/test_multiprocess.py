@@ -8,6 +8,7 @@ distributed client are fixed at jax start-up, so they cannot live in the pytest 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,6 +103,66 @@ def assert_close(got: dict, want: dict, what: str):
     assert rel < RTOL, f"{what} at step {step}: {got[step]} vs one process {want[step]} (rel diff {rel:.2e})"
 
 
+CONFIG = """
+from tests.fixtures import tiny_config
+from tests.train.multiprocess_worker import MESH, TRAIN
+
+
+def get_config(arg=None):
+  return tiny_config(train={**TRAIN, **%r}, mesh=MESH)
+"""
+
+
+def config_file(tmp_path, **train) -> str:
+  """A config file for the CLI: the workers' tiny run, with `train` changes."""
+  path = tmp_path / "tiny_mp.py"
+  path.write_text(CONFIG % train)
+  return str(path)
+
+
+class Cli:
+  """`python -m jaxtrain train` processes in one workdir; `how[i]` configures process i: "flags", "env" or None
+  (one process, no --distributed)."""
+
+  def __init__(self, workdir, config: str, how: list, devices_per_process: int, extra=()):
+    self.workdir, self.procs, self.logs = str(workdir), [], []
+    os.makedirs(self.workdir)
+    port = free_port()
+    for i, kind in enumerate(how):
+      env = dict(worker_env(), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+      cmd = [sys.executable, "-m", "jaxtrain", "train", f"--config={config}", f"--workdir={self.workdir}",
+             "--no_sample", *extra]
+      if kind == "flags":
+        cmd += ["--distributed", f"--coordinator_address=localhost:{port}", f"--num_processes={len(how)}",
+                f"--process_id={i}"]
+      elif kind == "env":
+        cmd += ["--distributed"]
+        env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(len(how)), JAX_PROCESS_ID=str(i))
+      self.logs.append(os.path.join(self.workdir, f"cli_{i}.log"))
+      with open(self.logs[-1], "w") as out, open(self.logs[-1] + ".err", "w") as err:
+        self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT))
+
+  def failed(self) -> bool:
+    return any(p.poll() not in (None, 0) for p in self.procs)
+
+  def done(self) -> bool:
+    return all(p.poll() == 0 for p in self.procs)
+
+  def kill(self):
+    for p in self.procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+
+  def stderr(self, i: int) -> str:
+    with open(self.logs[i] + ".err", errors="replace") as f:
+      return "".join(line for line in f if "[SPMD]" not in line)  # XLA's remat warnings drown the rest
+
+  def report(self, why: str) -> str:
+    return "\n".join([f"{self.workdir}: {why}"] + [f"--- process {i} (exit {p.poll()}) ---\n{self.stderr(i)[-4000:]}"
+                                                  for i, p in enumerate(self.procs)])
+
+
 @pytest.mark.slow  # 80-115 s on 2 shared cores: three jax processes compile the same step
 def test_two_processes_train_like_one(tmp_path):
   # The reference and the pair start together: they are independent, and the wall time is their max.
@@ -160,3 +221,48 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
   assert finals[0]["step"] == finals[1]["step"] < 100000
   steps = [int(d) for d in os.listdir(os.path.join(two.workdir, "checkpoints")) if d.isdigit()]
   assert max(steps) == finals[0]["step"]
+
+
+PEER_TIMEOUT_S = 15.0
+INTERVAL_S = PEER_TIMEOUT_S / 10  # jaxtrain.train.peers: a heartbeat written and read every tenth of the timeout
+
+
+@pytest.mark.slow  # 100-250 s on 2 shared cores: two pairs of CLI processes compile side by side
+def test_a_lost_peer_ends_the_survivor_with_one_line_and_status_6(tmp_path):
+  # Pair 0 loses process 1, which jaxtrain's heartbeats find; pair 1 loses process 0, the coordinator, whose
+  # death jax's client answers at once with an abort (it was status 134 and a C++ stack, ~70 s after the loss).
+  config = config_file(tmp_path, steps=100000, eval_every=0)
+  extra = [f"--config.train.peer_timeout_s={PEER_TIMEOUT_S}"]
+  pairs = [Cli(tmp_path / f"pair_{victim}", config, ["flags", "flags"], 4, extra) for victim in (1, 0)]
+  deadline = time.monotonic() + TIMEOUT_S
+  training = lambda c: len([r for r in metrics.read_metrics(c.workdir) if "loss" in r]) >= 2  # noqa: E731
+  waiting = list(pairs)
+  killed = {}
+  while waiting:
+    if time.monotonic() > deadline or any(c.failed() for c in waiting):
+      for c in pairs:
+        c.kill()
+      pytest.fail("\n".join(c.report("did not reach training") for c in waiting), pytrace=False)
+    for c, victim in zip(pairs, (1, 0)):
+      if c in waiting and os.path.exists(os.path.join(c.workdir, "metrics.jsonl")) and training(c):
+        c.procs[victim].kill()  # SIGKILL mid-training: nothing of it runs any more
+        killed[victim] = (c, time.monotonic())
+        waiting.remove(c)
+    time.sleep(0.2)
+  try:
+    for victim, (c, t_kill) in sorted(killed.items()):
+      survivor = c.procs[1 - victim]
+      survivor.wait(timeout=PEER_TIMEOUT_S + 60)
+      elapsed = time.monotonic() - t_kill
+      last = c.stderr(1 - victim).strip().splitlines()[-1]
+      assert survivor.returncode == 6, c.report(f"survivor exit {survivor.returncode}")
+      pid = c.procs[victim].pid
+      assert re.fullmatch(rf"error: lost process {victim} of 2 \(pid {pid} on {re.escape(socket.gethostname())}\)"
+                          r": .+", last), last
+      # The bound: silence for the timeout plus one interval each for the last beat read and the verdict,
+      # plus a few seconds for this test's own polling on loaded cores.
+      assert elapsed < PEER_TIMEOUT_S + 2 * INTERVAL_S + 5, (victim, elapsed, last)
+      print(f"victim {victim}: survivor ended after {elapsed:.1f} s: {last}")
+  finally:
+    for c in pairs:
+      c.kill()
