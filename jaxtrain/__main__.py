@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from jaxtrain import config as config_lib
+from jaxtrain import config as config_lib, errors
 
 
 class _Parser(argparse.ArgumentParser):
@@ -18,7 +18,6 @@ class _Parser(argparse.ArgumentParser):
 
 def _exit_statuses() -> str:
   """The statuses a run ends with, as jaxtrain/errors.py documents them."""
-  from jaxtrain import errors
   return "exit status:\n" + "\n".join(line for line in errors.__doc__.splitlines() if line[:3].strip().isdigit()
                                        or line.startswith("     "))
 
@@ -192,6 +191,9 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # data paths and contents, checked before compiling
       print(f"error: {e}", file=sys.stderr)
       return 2
+    except errors.RunError as e:  # diverged, checkpoints unwritable, ...: one line and its own status
+      print(f"error: {e}", file=sys.stderr)
+      return e.exit_status
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(final.items())))
     if final.get("preempted"):
       from jaxtrain.train.preemption import EXIT_STATUS

@@ -77,3 +77,15 @@ def test_rollback_without_a_checkpoint_stops(tmp_path):
   with pytest.raises(errors.Diverged, match="no checkpoint to roll back to"):
     jaxtrain.train(cfg, str(tmp_path), task=Poisoned(cfg, str(tmp_path), bad=range(2, 12)), progress=False,
                    sync_every_step=True)
+
+
+def test_cli_diverged_run_exits_4_with_one_line(tmp_path, capsys):
+  from jaxtrain.__main__ import main
+  from tests.fixtures import ROOT
+  code = main(["train", f"--config={ROOT}/configs/tiny.py", f"--workdir={tmp_path}", "--no_sample",
+               "--config.optim.lr=1e30", "--config.optim.max_consecutive_skips=3", "--config.train.steps=30",
+               "--config.optim.warmup_steps=1",
+               "--config.train.batch_size=8", "--config.model.d_model=32", "--config.model.d_ff=64",
+               "--config.model.head_dim=8", "--config.train.seq_len=32"])
+  err = capsys.readouterr().err.strip().splitlines()  # the progress bar's lines, then one error line
+  assert code == 4 and err[-1].startswith("error: training diverged") and sum("error" in e for e in err) == 1, err
