@@ -9,4 +9,4 @@ Library API (everything the CLI does):
 
 from jaxtrain.config import ConfigError, default_config, load_config_file as get_config, validate
 from jaxtrain.train import sample, train
-from jaxtrain.checkpoint.hf import load_pretrained  # noqa: E402 (after train: hf imports the model)
+from jaxtrain.checkpoint.pretrained import load_pretrained  # noqa: E402 (after train: hf imports the model)

@@ -1,7 +1,6 @@
 """Streaming conversion between HF Llama / Mixtral checkpoints and jaxtrain's Orbax checkpoints, and inspection.
 
-A tier directory holds integer step dirs, each with the Orbax items `state` (the train state as a
-dict; a converted checkpoint has only `params`) and `meta` (JSON: format, config, tokenizer).
+Checkpoint layout and readers (tiers, steps, config, partial restore): pretrained.py.
 
 Import writes one jaxtrain leaf at a time with Orbax partial saving (`ocp.v1.partial.save`, one call
 per leaf, `ocp.v1.partial.finalize` at the end) into a staging dir named like Orbax's own temporary step dirs
@@ -21,9 +20,12 @@ import numpy as np
 
 from jaxtrain import config as config_lib
 from jaxtrain.checkpoint import hf, safetensors_io
+from jaxtrain.checkpoint.pretrained import (META, STATE, find_step, manager, model_config, params_metadata,
+                                            read_config, read_json, restore_params, state_metadata,
+                                            tiers)
+from jaxtrain.checkpoint.pretrained import load_extra, load_params  # noqa: F401 (callers that predate pretrained.py)
 
 FORMAT = 1
-STATE, META = "state", "meta"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
             "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight",
@@ -31,102 +33,6 @@ MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "
 TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", "optim.name", "optim.lr",
               "optim.schedule", "checkpoint.every_steps", "checkpoint.dir", "checkpoint.fast_dir",
               "data.kind", "data.tokenizer")
-
-
-# ---- tiers and steps ----
-
-def tiers(src: str) -> list[tuple[str, str]]:
-  """(name, dir) of the checkpoint tiers of a workdir (from its config.json), or [("tier", src)]
-  when src is a tier dir itself. ConfigError (one line) when src is neither."""
-  if not os.path.isdir(src):
-    raise config_lib.ConfigError(f"{src}: no such directory")
-  if hf.is_hf_dir(src):
-    raise config_lib.ConfigError(f"{src} is a Hugging Face directory; convert it with --from_hf first")
-  if os.path.isfile(os.path.join(src, "config.json")):
-    from jaxtrain.checkpoint import tier_dirs
-    dirs = tier_dirs(_read_json(os.path.join(src, "config.json")).get("checkpoint", {}), src)
-    return sorted(dirs.items(), key=lambda item: item[0] != "persistent")  # persistent first
-  return [("tier", src)]
-
-
-def manager(tier: str):
-  """A read-only Orbax manager over a tier, with the handlers of its items."""
-  import orbax.checkpoint as ocp
-  from absl import logging
-  from jaxtrain.checkpoint import DataStateHandler  # the package's own item (a training checkpoint's data)
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)  # it warns that the directory is read-only, as asked
-  try:
-    return ocp.CheckpointManager(os.path.abspath(tier), options=options, item_handlers={
-        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler(), "data": DataStateHandler()})
-  finally:
-    logging.set_verbosity(verbosity)
-
-
-def find_step(src: str, step: int | None = None):
-  """(manager, step) of the newest complete step over all tiers of src (or of `step`)."""
-  best = None
-  for _, tier in tiers(src):
-    if not os.path.isdir(tier):
-      continue
-    mngr = manager(tier)
-    for s in mngr.all_steps():
-      if (step is None or s == step) and (best is None or s > best[1]):
-        best = (mngr, s)
-  if best is None:
-    what = "no complete checkpoint" if step is None else f"no complete step {step}"
-    raise config_lib.ConfigError(f"{src}: {what} (looked in {', '.join(t for _, t in tiers(src))})")
-  return best
-
-
-def read_config(src: str, mngr, step: int) -> ml_collections.ConfigDict:
-  """The config saved with the step (its `meta` item), else the workdir's config.json."""
-  import orbax.checkpoint as ocp
-  if os.path.isdir(os.path.join(mngr.directory, str(step), META)):
-    meta = mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-    return ml_collections.ConfigDict(meta["config"])
-  path = os.path.join(src, "config.json")
-  if not os.path.isfile(path):
-    raise config_lib.ConfigError(f"{src}: step {step} has no meta item and there is no config.json")
-  return ml_collections.ConfigDict(_read_json(path))
-
-
-def params_metadata(mngr, step: int) -> dict:
-  """The `params` subtree of the state item's Orbax metadata (shapes, dtypes; no array is read)."""
-  tree = mngr.item_metadata(step)[STATE]
-  tree = getattr(tree, "tree", tree)
-  if not isinstance(tree, dict) or "params" not in tree:
-    raise config_lib.ConfigError(f"{mngr.directory}/{step}: the state item has no params")
-  return tree["params"]
-
-
-def restore_params(mngr, step: int, tree: dict, key: str = "params") -> dict:
-  """The leaves of `tree` (a subtree of the state's `key` metadata) as numpy arrays, read with partial
-  restore."""
-  import jax
-  import orbax.checkpoint as ocp
-  item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-  restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  args = ocp.args.PyTreeRestore(item={key: item}, restore_args={key: restore_args}, partial_restore=True)
-  return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE][key]
-
-
-def load_extra(src: str, step: int | None = None) -> dict:
-  """The non-trainable model collections (TrainState.extra, e.g. MoE expert biases) of a training
-  checkpoint's newest step (or `step`); {} when it has none (a converted model)."""
-  mngr, step = find_step(src, step)
-  tree = mngr.item_metadata(step)[STATE]
-  tree = getattr(tree, "tree", tree)
-  extra = tree.get("extra") if isinstance(tree, dict) else None
-  return restore_params(mngr, step, extra, "extra") if extra else {}
-
-
-def load_params(src: str, step: int | None = None):
-  """(ModelConfig, params as numpy) of a workdir's or tier's newest step (or `step`)."""
-  mngr, step = find_step(src, step)
-  cfg = _model_config(read_config(src, mngr, step), mngr, step)
-  return cfg, restore_params(mngr, step, params_metadata(mngr, step))
 
 
 # ---- HF -> jaxtrain ----
@@ -199,7 +105,7 @@ def _commit(staging: str, final: str, meta: dict) -> None:
   ocp.JsonCheckpointHandler().save(epath.Path(staging) / META, args=ocp.args.JsonSave(meta))
   # The partial saver records its own v1 handler; a manager restoring without args needs these.
   step_meta_path = os.path.join(staging, "_CHECKPOINT_METADATA")
-  step_meta = _read_json(step_meta_path)
+  step_meta = read_json(step_meta_path)
   step_meta["item_handlers"] = {STATE: ocp.StandardCheckpointHandler().typestr(),
                                 META: ocp.JsonCheckpointHandler().typestr()}
   _write_text(step_meta_path, json.dumps(step_meta))
@@ -217,7 +123,7 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
     raise config_lib.ConfigError(f"--to_hf: {out_dir} is not empty")
   mngr, step = find_step(src, step)
   cfg = read_config(src, mngr, step)
-  model = _model_config(cfg, mngr, step)
+  model = model_config(cfg, mngr, step)
   try:
     hf.config_to_hf(model, dtype)
   except ValueError as e:
@@ -256,8 +162,7 @@ def describe(src: str, step: int | None = None) -> str:
     return "\n".join(lines + ["no complete step"])
   mngr, step = find_step(src, step)
   lines.append(f"step {step} in {mngr.directory}; state item:")
-  tree = mngr.item_metadata(step)[STATE]
-  leaves = sorted(_flat(getattr(tree, "tree", tree)), key=lambda item: (item[0][0] != "params", item[0]))
+  leaves = sorted(_flat(state_metadata(mngr, step)), key=lambda item: (item[0][0] != "params", item[0]))
   width = max(len("/".join(path)) for path, _ in leaves)
   totals = {"params": [0, 0], "state": [0, 0]}
   for path, leaf in leaves:
@@ -308,13 +213,6 @@ def _np_dtype(name: str):
   return {"float32": np.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def _model_config(cfg, mngr, step):
-  """The ModelConfig of a step's config."""
-  if "model" not in cfg:
-    raise config_lib.ConfigError(f"{mngr.directory}/{step}: its config has no model section")
-  return hf.ModelConfig.from_config(cfg.model)
-
-
 def _nest(path: tuple, value) -> dict:
   for key in reversed(path):
     value = {key: value}
@@ -357,11 +255,6 @@ def _human(n: int) -> str:
 def _step_order(name: str):
   head = name.split(".")[0]
   return (int(head), name) if head.isdigit() else (float("inf"), name)
-
-
-def _read_json(path: str) -> dict:
-  with open(path) as f:
-    return json.load(f)
 
 
 def _write_text(path: str, text: str) -> None:

@@ -301,22 +301,6 @@ def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 *
   write_hf(cfg, out_dir, lambda path: get_at(params, path), dtype, max_shard_bytes)
 
 
-def load_pretrained(path: str):
-  """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or checkpoint
-  tier (its newest step's params, read with Orbax partial restore);
-  apply_fn(params, tokens_BL) -> logits_BLV. A trained MoE's expert biases (TrainState.extra) are
-  bound into apply_fn: they choose the experts."""
-  extra = {}
-  if is_hf_dir(path):
-    cfg, params = import_hf(path)
-  else:
-    from jaxtrain.checkpoint import convert  # convert builds on this module
-    cfg, params = convert.load_params(path)
-    extra = convert.load_extra(path)
-  model = Transformer(cfg)
-  return cfg, params, lambda p, tokens_BL: model.apply({"params": p, **extra}, tokens_BL)
-
-
 def _unbox(tree):
   return jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, tree,
                       is_leaf=lambda x: hasattr(x, "unbox"))

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
-from jaxtrain.checkpoint import convert, hf  # noqa: E402
+from jaxtrain.checkpoint import convert, hf, pretrained  # noqa: E402
 from jaxtrain.train import loop, state as state_lib, workdir as workdir_lib  # noqa: E402
 from tests.fixtures import tiny_config  # noqa: E402
 from tests.checkpoint.test_hf import from_pretrained, hf_logits, hf_model  # noqa: E402
@@ -49,7 +49,7 @@ def test_import_gives_transformers_logits(converted):
   root, model = converted
   want = hf_logits(model, TOKENS_BL)
   for path in (root / "wd", root / "wd" / "checkpoints"):  # a workdir, a tier dir
-    cfg, params, apply_fn = hf.load_pretrained(str(path))
+    cfg, params, apply_fn = pretrained.load_pretrained(str(path))
     assert (cfg.rope_theta, cfg.tie_embeddings, cfg.n_kv_heads, cfg.head_dim) == (12345.0, False, 2, 16)
     assert np.abs(np.asarray(apply_fn(params, TOKENS_BL)) - want).max() < 1e-4
   saved = json.loads((root / "wd" / "config.json").read_text())
@@ -216,10 +216,10 @@ def test_interrupted_conversion_leaves_no_complete_step(converted, capsys, tmp_p
   rc, out, _ = run(capsys, "inspect", tmp_path / "wd")
   assert rc == 0 and "temporary" in out and out.splitlines()[-1] == "no complete step"
   with pytest.raises(ConfigError, match="no complete checkpoint"):
-    hf.load_pretrained(str(tmp_path / "wd"))
+    pretrained.load_pretrained(str(tmp_path / "wd"))
   monkeypatch.setattr(convert, name, real)
   assert run(capsys, "convert", "--from_hf", root / "hf", "--to", tmp_path / "wd")[0] == 0  # reruns cleanly
-  cfg, params, apply_fn = hf.load_pretrained(str(tmp_path / "wd"))
+  cfg, params, apply_fn = pretrained.load_pretrained(str(tmp_path / "wd"))
   assert np.abs(np.asarray(apply_fn(params, TOKENS_BL)) - hf_logits(model, TOKENS_BL)).max() < 1e-4
 
 

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxtrain.checkpoint import hf  # noqa: E402
+from jaxtrain.checkpoint import hf, pretrained  # noqa: E402
 
 torch.set_grad_enabled(False)
 
@@ -47,7 +47,7 @@ def test_import_matches_transformers_and_export_round_trips(tmp_path, tokens_BL,
   model.save_pretrained(tmp_path / "hf", safe_serialization=True)
   want = hf_logits(model, tokens_BL)
 
-  cfg, params, apply_fn = hf.load_pretrained(str(tmp_path / "hf"))
+  cfg, params, apply_fn = pretrained.load_pretrained(str(tmp_path / "hf"))
   assert (cfg.rope_theta, cfg.tie_embeddings, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps) == (12345.0, tie, 2, 16, 1e-5)
   assert ("unembed" in params) == (not tie)
   got = np.asarray(apply_fn(params, tokens_BL))
