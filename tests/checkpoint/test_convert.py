@@ -227,8 +227,8 @@ def random_llama(path, n_layers=8, d=256, vocab=1024, seed=0):
   """A random HF Llama directory written with numpy: every leaf is [n_layers, 256, 256] (2 MiB)
   or smaller, the model ~8x that."""
   rng = np.random.default_rng(seed)
-  config = {"vocab_size": vocab, "hidden_size": d, "num_hidden_layers": n_layers, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "intermediate_size": d, "tie_word_embeddings": False}
+  config = {"model_type": "llama", "vocab_size": vocab, "hidden_size": d, "num_hidden_layers": n_layers,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": d, "tie_word_embeddings": False}
   tensors = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
   for i in range(n_layers):
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
