@@ -26,6 +26,7 @@ from jaxtrain.checkpoint.pretrained import (META, STATE, find_step, manager, mod
 from jaxtrain.checkpoint.pretrained import load_extra, load_params  # noqa: F401 (callers that predate pretrained.py)
 
 FORMAT = 1
+STAGING_SUFFIX = ".converting"  # WORKDIR.converting: the workdir being written, renamed to WORKDIR last
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
             "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight",
@@ -38,29 +39,62 @@ TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", 
 # ---- HF -> jaxtrain ----
 
 def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
-  """Converts a HF Llama or Mixtral directory into WORKDIR/config.json and the step WORKDIR/checkpoints/0,
-  one leaf at a time; returns the step dir."""
-  import orbax.checkpoint as ocp
+  """Converts a HF Llama or Mixtral directory into a new workdir (config.json, checkpoints/0), one leaf at
+  a time; returns the step dir. All input is checked before anything is written; the workdir is written
+  as WORKDIR.converting and renamed last, so a failed or interrupted conversion leaves no WORKDIR."""
+  model = read_hf(hf_dir)
+  check_target(workdir)
+  staging = os.path.abspath(workdir) + STAGING_SUFFIX
+  shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
+  try:
+    os.makedirs(staging)
+    write_workdir(hf_dir, model, staging, dtype)
+    os.rename(staging, workdir)  # onto an absent or empty dir
+  except BaseException as e:
+    shutil.rmtree(staging, ignore_errors=True)
+    if isinstance(e, (ValueError, OSError)) and not isinstance(e, config_lib.ConfigError):
+      raise config_lib.ConfigError(f"convert --from_hf {hf_dir} --to {workdir}: {e}".splitlines()[0]) from e
+    raise
+  return os.path.join(workdir, "checkpoints", "0")
+
+
+def read_hf(hf_dir: str):
+  """The ModelConfig of a HF directory, once its config.json, every safetensors header (against its
+  file's size) and every tensor name and shape are checked; ConfigError (one line) otherwise."""
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
     raise config_lib.ConfigError(f"--from_hf: {hf_dir} has no config.json (expected a HF Llama or Mixtral directory)")
   try:
     model = hf.read_config(hf_dir)
     hf.check_tensors(model, safetensors_io.tensor_index(hf_dir), hf_dir)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, OSError) as e:
     raise config_lib.ConfigError(f"--from_hf: {e}") from e
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise config_lib.ConfigError(f"--to: {workdir} is not a directory")
-  tier = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  final, staging = os.path.join(tier, "0"), os.path.join(tier, "0" + TMP_SUFFIX)
-  existing = [tier] + ([t for _, t in tiers(workdir)] if os.path.isdir(workdir) else [])
-  if any(os.path.isdir(t) and manager(t).all_steps() for t in existing):
-    raise config_lib.ConfigError(f"--to: {workdir} already holds checkpoints; choose a new workdir")
-  for leftover in (staging, staging + ".partial_save"):  # from an interrupted conversion
-    shutil.rmtree(leftover, ignore_errors=True)
+  return model
 
+
+def check_target(workdir: str) -> None:
+  """ConfigError (one line) unless --to is absent or an empty directory, in a directory we may write."""
+  if os.path.lexists(workdir) and not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f"--to: {workdir} is not a directory")
+  if os.path.isdir(workdir) and os.listdir(workdir):
+    raise config_lib.ConfigError(f"--to: {workdir} is not empty; choose a new workdir")
+  parent = os.path.dirname(os.path.abspath(workdir))
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise config_lib.ConfigError(f"--to: {parent} is not a directory")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise config_lib.ConfigError(f"--to: cannot write in {parent}")
+
+
+def write_workdir(hf_dir: str, model, root: str, dtype: str) -> None:
+  """ROOT/config.json and the step ROOT/checkpoints/0, one leaf at a time; the step is written as
+  Orbax's partial save into a staging step dir and renamed when complete."""
+  import orbax.checkpoint as ocp
+  tier = os.path.join(root, "checkpoints")
+  final, staging = os.path.join(tier, "0"), os.path.join(tier, "0" + TMP_SUFFIX)
   cfg = workdir_config(model, hf_dir, dtype)
-  os.makedirs(tier, exist_ok=True)
-  _write_text(os.path.join(workdir, "config.json"), cfg.to_json(indent=2))
+  os.makedirs(tier)
+  _write_text(os.path.join(root, "config.json"), cfg.to_json(indent=2))
   context = ocp.v1.Context()
   context.memory.deepcopy_host_arrays = False  # each save blocks until written: no copy needed
   # Without zstd, TensorStore writes the leaf's bytes as they are; with it, compressed buffers of
@@ -74,7 +108,6 @@ def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
     ocp.v1.partial.finalize(staging)
   tokenizer = {"kind": "hf", "path": cfg.data.tokenizer} if cfg.data.tokenizer.endswith(".json") else None
   _commit(staging, final, {"format": FORMAT, "config": cfg.to_dict(), "tokenizer": tokenizer})
-  return final
 
 
 def workdir_config(model, hf_dir: str, dtype: str) -> ml_collections.ConfigDict:

@@ -3,6 +3,8 @@ against transformers' LlamaForCausalLM, logits to 1e-4."""
 
 import json
 import os
+import shutil
+import struct
 import tracemalloc
 import weakref
 
@@ -90,6 +92,7 @@ def test_export_loads_in_transformers(converted, capsys):
 
 def test_bfloat16_both_ways(converted, capsys, tmp_path):
   root, model = converted
+  os.makedirs(tmp_path / "wd")  # an empty --to is fine
   assert run(capsys, "convert", "--from_hf", root / "hf", "--to", tmp_path / "wd", "--dtype", "bfloat16")[0] == 0
   q_line = next(line for line in run(capsys, "inspect", tmp_path / "wd")[1].splitlines() if "attn/q " in line)
   assert q_line.split()[-1] == "bfloat16"
@@ -195,8 +198,9 @@ def test_bad_paths_exit_2_with_one_line(converted, capsys, tmp_path, argv):
 
 
 @pytest.mark.parametrize("where", ["4th leaf", "after finalize"])
-def test_interrupted_conversion_leaves_no_complete_step(converted, capsys, tmp_path, monkeypatch, where):
-  """Killed while saving leaves, or after Orbax finalized the staging step but before it was renamed."""
+def test_interrupted_conversion_leaves_no_workdir(converted, capsys, tmp_path, monkeypatch, where):
+  """Interrupted while saving leaves, or after Orbax finalized the staging step but before it was
+  renamed: neither --to nor its staging dir is left; a staging dir left by a killed one is replaced."""
   root, model = converted
   name, fails = {"4th leaf": ("save_leaf", lambda calls, args: len(calls) == 4),
                  "after finalize": ("_write_text", lambda calls, args: args[0].endswith("_CHECKPOINT_METADATA"))}[where]
@@ -211,14 +215,15 @@ def test_interrupted_conversion_leaves_no_complete_step(converted, capsys, tmp_p
   monkeypatch.setattr(convert, name, dies)
   with pytest.raises(KeyboardInterrupt):
     cli.main(["convert", "--from_hf", str(root / "hf"), "--to", str(tmp_path / "wd")])
-  tier = tmp_path / "wd" / "checkpoints"
-  assert convert.manager(str(tier)).all_steps() == [] and "0" not in os.listdir(tier)
-  rc, out, _ = run(capsys, "inspect", tmp_path / "wd")
-  assert rc == 0 and "temporary" in out and out.splitlines()[-1] == "no complete step"
-  with pytest.raises(ConfigError, match="no complete checkpoint"):
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(ConfigError, match="no such directory"):
     pretrained.load_pretrained(str(tmp_path / "wd"))
   monkeypatch.setattr(convert, name, real)
+  killed = tmp_path / "wd.converting" / "checkpoints" / "0.orbax-checkpoint-tmp"  # as a SIGKILL leaves it
+  os.makedirs(killed)
+  (killed / "junk").write_text("half")
   assert run(capsys, "convert", "--from_hf", root / "hf", "--to", tmp_path / "wd")[0] == 0  # reruns cleanly
+  assert sorted(os.listdir(tmp_path)) == ["wd"] and sorted(os.listdir(tmp_path / "wd" / "checkpoints")) == ["0"]
   cfg, params, apply_fn = pretrained.load_pretrained(str(tmp_path / "wd"))
   assert np.abs(np.asarray(apply_fn(params, TOKENS_BL)) - hf_logits(model, TOKENS_BL)).max() < 1e-4
 
@@ -277,3 +282,89 @@ def test_conversion_holds_one_leaf_at_a_time(tmp_path, monkeypatch):
   _, got = hf.import_hf(str(tmp_path / "out"))
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(a, b)
+
+
+def tree_snapshot(path) -> dict:
+  """{relative path: bytes, or None for a dir} of everything under path."""
+  out = {}
+  for d, dirs, files in os.walk(path):
+    for name in dirs:
+      out[os.path.relpath(os.path.join(d, name), path)] = None
+    for name in files:
+      with open(os.path.join(d, name), "rb") as f:
+        out[os.path.relpath(os.path.join(d, name), path)] = f.read()
+  return out
+
+
+def cut(path, keep):
+  """Truncates the file at `path` to `keep(size)` bytes."""
+  with open(path, "r+b") as f:
+    f.truncate(keep(os.path.getsize(path)))
+
+
+def set_header(path, edit):
+  """Rewrites a safetensors file's JSON header with edit(header) (same data bytes)."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header, data = json.loads(f.read(n)), f.read()
+  blob = json.dumps(edit(header)).encode()
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def shift_offsets(header):
+  name = next(k for k in header if k != "__metadata__")
+  header[name]["data_offsets"][1] -= 4
+  return header
+
+
+BREAKS = {  # what goes wrong in a HF dir: how to do it to a copy of one
+    "cut short": lambda d: cut(d / "model.safetensors", lambda size: size - 100),
+    "0-byte safetensors": lambda d: cut(d / "model.safetensors", lambda size: 0),
+    "4-byte safetensors": lambda d: cut(d / "model.safetensors", lambda size: 4),
+    "header past the end": lambda d: cut(d / "model.safetensors", lambda size: 200),
+    "header not JSON": lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{" + bytes(64)),
+    "header a list": lambda d: set_header(d / "model.safetensors", lambda h: [h]),
+    "offsets disagree with shape": lambda d: set_header(d / "model.safetensors", shift_offsets),
+    "unknown dtype": lambda d: set_header(d / "model.safetensors", lambda h: {
+        k: {**v, "dtype": "I4"} if k != "__metadata__" else v for k, v in h.items()}),
+    "index names a missing shard": lambda d: (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})),
+    "index not JSON": lambda d: (d / "model.safetensors.index.json").write_text("{"),
+    "config.json a list": lambda d: (d / "config.json").write_text("[1, 2]"),
+    "config.json not JSON": lambda d: (d / "config.json").write_text("{'model_type': 'llama'"),
+    "config.json binary": lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00"),
+    "field of the wrong type": lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "num_hidden_layers": "2"})),
+}
+
+
+@pytest.mark.parametrize("broken", list(BREAKS))
+def test_broken_hf_dir_is_one_line_exit_2_and_writes_nothing(converted, capsys, tmp_path, broken):
+  root, _ = converted
+  shutil.copytree(root / "hf", tmp_path / "hf")
+  BREAKS[broken](tmp_path / "hf")
+  rc, out, err = run(capsys, "convert", "--from_hf", tmp_path / "hf", "--to", tmp_path / "wd")
+  assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # no --to, no staging dir beside it
+
+
+TARGETS = {  # a --to that convert must refuse, leaving it as it was
+    "non-JSON config.json in it": lambda t: (os.makedirs(t / "wd"), (t / "wd" / "config.json").write_text("{x")),
+    "another run's config.json in it": lambda t: (os.makedirs(t / "wd"), (t / "wd" / "config.json").write_text(
+        json.dumps(tiny_config().to_dict()))),
+    "a file in it": lambda t: (os.makedirs(t / "wd"), (t / "wd" / "notes.txt").write_text("mine")),
+    "a regular file": lambda t: (t / "wd").write_text("mine"),
+    "under a regular file": lambda t: (t / "file").write_text("mine"),
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_bad_target_is_one_line_exit_2_and_left_as_it_was(converted, capsys, tmp_path, target):
+  root, _ = converted
+  TARGETS[target](tmp_path)
+  before = tree_snapshot(tmp_path)
+  to = tmp_path / ("file/wd" if target == "under a regular file" else "wd")
+  rc, out, err = run(capsys, "convert", "--from_hf", root / "hf", "--to", to)
+  assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+  assert tree_snapshot(tmp_path) == before
