@@ -107,10 +107,21 @@ def restore_params(mngr, step: int, tree: dict, key: str = "params") -> dict:
   return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE][key]
 
 
-def load_extra(src: str, step: int | None = None) -> dict:
-  """The non-trainable model collections (TrainState.extra, e.g. MoE expert biases) of a training
-  checkpoint's newest step (or `step`); {} when it has none (a converted model)."""
+def read_step(src: str, step: int | None = None):
+  """(config, params, extra) of a workdir's or tier's newest step (or `step`): the config saved with it,
+  its params and its non-trainable model collections (TrainState.extra, e.g. MoE expert biases; {} for a
+  converted model) as numpy. Partial restore: no optimizer state or data item is read."""
   mngr, step = find_step(src, step)
+  return read_config(src, mngr, step), restore_params(mngr, step, params_metadata(mngr, step)), _extra(mngr, step)
+
+
+def load_extra(src: str, step: int | None = None) -> dict:
+  """The non-trainable model collections of a training checkpoint's newest step (or `step`); {} when it
+  has none (a converted model)."""
+  return _extra(*find_step(src, step))
+
+
+def _extra(mngr, step: int) -> dict:
   tree = state_metadata(mngr, step)
   extra = tree.get("extra") if isinstance(tree, dict) else None
   return restore_params(mngr, step, extra, "extra") if extra else {}
