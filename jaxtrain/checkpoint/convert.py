@@ -11,6 +11,7 @@ PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from jaxtrain.checkpoint.pretrained import load_extra, load_params  # noqa: F401
 FORMAT = 1
 STAGING_SUFFIX = ".converting"  # WORKDIR.converting: the workdir being written, renamed to WORKDIR last
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
+TOKENIZER_FILES = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}  # HF file -> data.tokenizers kind
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
             "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight",
             "router_z_weight", "bias_update_rate")  # shown only for a mixture-of-experts model
@@ -42,13 +44,13 @@ def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
   """Converts a HF Llama or Mixtral directory into a new workdir (config.json, checkpoints/0), one leaf at
   a time; returns the step dir. All input is checked before anything is written; the workdir is written
   as WORKDIR.converting and renamed last, so a failed or interrupted conversion leaves no WORKDIR."""
-  model = read_hf(hf_dir)
+  model, tokenizer = read_hf(hf_dir), hf_tokenizer(hf_dir)
   check_target(workdir)
   staging = os.path.abspath(workdir) + STAGING_SUFFIX
   shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
   try:
     os.makedirs(staging)
-    write_workdir(hf_dir, model, staging, dtype)
+    write_workdir(hf_dir, model, tokenizer, staging, os.path.abspath(workdir), dtype)
     os.rename(staging, workdir)  # onto an absent or empty dir
   except BaseException as e:
     shutil.rmtree(staging, ignore_errors=True)
@@ -86,13 +88,33 @@ def check_target(workdir: str) -> None:
     raise config_lib.ConfigError(f"--to: cannot write in {parent}")
 
 
-def write_workdir(hf_dir: str, model, root: str, dtype: str) -> None:
-  """ROOT/config.json and the step ROOT/checkpoints/0, one leaf at a time; the step is written as
-  Orbax's partial save into a staging step dir and renamed when complete."""
+def hf_tokenizer(hf_dir: str) -> str | None:
+  """The tokenizer file of a HF directory (tokenizer.json before tokenizer.model), or None; ConfigError
+  (one line) for one that its library cannot load."""
+  import sentencepiece
+  import tokenizers
+  loaders = {"hf": tokenizers.Tokenizer.from_file,
+             "sentencepiece": lambda path: sentencepiece.SentencePieceProcessor(model_file=path)}
+  for name, kind in TOKENIZER_FILES.items():
+    path = os.path.join(hf_dir, name)
+    if os.path.isfile(path):
+      try:
+        loaders[kind](path)
+      except Exception as e:  # noqa: BLE001 (both bindings raise bare Exception/RuntimeError)
+        raise config_lib.ConfigError(f"--from_hf: {path} does not load ({str(e).splitlines()[0] if str(e) else e!r}); "
+                                     "remove it to convert without a tokenizer") from None
+      return path
+  return None
+
+
+def write_workdir(hf_dir: str, model, tokenizer: str | None, root: str, final_root: str, dtype: str) -> None:
+  """ROOT/config.json, the tokenizer and the step ROOT/checkpoints/0, one leaf at a time (ROOT will be
+  renamed to FINAL_ROOT); the step is Orbax's partial save into a staging step dir, renamed when complete."""
   import orbax.checkpoint as ocp
   tier = os.path.join(root, "checkpoints")
   final, staging = os.path.join(tier, "0"), os.path.join(tier, "0" + TMP_SUFFIX)
-  cfg = workdir_config(model, hf_dir, dtype)
+  ref = carry_tokenizer(tokenizer, root)
+  cfg = workdir_config(model, dtype, tokenizer and os.path.join(final_root, os.path.basename(tokenizer)))
   os.makedirs(tier)
   _write_text(os.path.join(root, "config.json"), cfg.to_json(indent=2))
   context = ocp.v1.Context()
@@ -106,21 +128,35 @@ def write_workdir(hf_dir: str, model, root: str, dtype: str) -> None:
       save_leaf(staging, path, leaf)
       del leaf
     ocp.v1.partial.finalize(staging)
-  tokenizer = {"kind": "hf", "path": cfg.data.tokenizer} if cfg.data.tokenizer.endswith(".json") else None
-  _commit(staging, final, {"format": FORMAT, "config": cfg.to_dict(), "tokenizer": tokenizer})
+  _commit(staging, final, {"format": FORMAT, "config": cfg.to_dict(), "tokenizer": ref})
 
 
-def workdir_config(model, hf_dir: str, dtype: str) -> ml_collections.ConfigDict:
-  """default_config() with the model section of a HF model (a ModelConfig; MoE fields included) and
-  its tokenizer.json (if any)."""
+def workdir_config(model, dtype: str, tokenizer: str | None) -> ml_collections.ConfigDict:
+  """default_config() with the model section of a HF model (a ModelConfig; MoE fields included) and a
+  data section of text in the ids of `tokenizer` (its path in the workdir; "" when it has none)."""
   cfg = config_lib.default_config()
   values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
             if f.name in cfg.model and f.name not in ("param_dtype", "compute_dtype")}
   cfg.model.update(values, param_dtype=dtype)
-  tokenizer = os.path.join(os.path.abspath(hf_dir), "tokenizer.json")
-  if os.path.isfile(tokenizer):
-    cfg.data.tokenizer = tokenizer
+  cfg.data.update(kind="text", tokenizer=tokenizer or "")
   return cfg
+
+
+def carry_tokenizer(path: str | None, root: str) -> dict | None:
+  """Copies a HF tokenizer file into the workdir ROOT and writes ROOT/tokenizer_ref.json, which
+  jaxtrain.data's make_tokenizer reads (data/tokenizers.py save_reference's format: a spec with a path
+  relative to the workdir, and sha256(kind + file bytes)[:16]); returns it (None without a tokenizer)."""
+  if path is None:
+    return None
+  name = os.path.basename(path)
+  kind = TOKENIZER_FILES[name]
+  shutil.copyfile(path, os.path.join(root, name))
+  digest = hashlib.sha256(kind.encode())
+  with open(os.path.join(root, name), "rb") as f:
+    digest.update(f.read())
+  ref = {"spec": {"kind": kind, "path": name}, "fingerprint": digest.hexdigest()[:16]}
+  _write_text(os.path.join(root, "tokenizer_ref.json"), json.dumps(ref, indent=2))
+  return ref
 
 
 def save_leaf(staging: str, path: tuple, leaf) -> None:
@@ -173,8 +209,9 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
 
   hf.write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
   tokenizer = cfg.data.tokenizer
-  if tokenizer.endswith(".json") and os.path.isfile(tokenizer):
-    shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+  name = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}.get(_tokenizer_kind(tokenizer))
+  if name and os.path.isfile(tokenizer):
+    shutil.copyfile(tokenizer, os.path.join(out_dir, name))
   return out_dir
 
 
@@ -240,6 +277,10 @@ def _sharding_text(sharding) -> str:
 
 
 # ---- small pieces ----
+
+def _tokenizer_kind(path: str) -> str | None:
+  return {".json": "hf", ".model": "sentencepiece"}.get(os.path.splitext(path)[1])
+
 
 def _np_dtype(name: str):
   import jax.numpy as jnp

@@ -23,7 +23,7 @@ from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf, pretrained  # noqa: E402
 from jaxtrain.train import loop, state as state_lib, workdir as workdir_lib  # noqa: E402
 from tests.fixtures import tiny_config  # noqa: E402
-from tests.checkpoint.test_hf import from_pretrained, hf_logits, hf_model  # noqa: E402
+from tests.checkpoint.test_hf import bpe_tokenizer_json, from_pretrained, hf_logits, hf_model  # noqa: E402
 
 torch.set_grad_enabled(False)
 TOKENS_BL = np.random.default_rng(0).integers(0, 128, (2, 24)).astype(np.int32)
@@ -42,7 +42,7 @@ def converted(tmp_path_factory):
   root = tmp_path_factory.mktemp("convert")
   model = hf_model(tie=False)
   model.save_pretrained(root / "hf", safe_serialization=True)
-  (root / "hf" / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+  bpe_tokenizer_json(root / "hf" / "tokenizer.json")
   assert cli.main(["convert", "--from_hf", str(root / "hf"), "--to", str(root / "wd")]) == 0
   return root, model
 
@@ -56,7 +56,7 @@ def test_import_gives_transformers_logits(converted):
     assert np.abs(np.asarray(apply_fn(params, TOKENS_BL)) - want).max() < 1e-4
   saved = json.loads((root / "wd" / "config.json").read_text())
   assert saved["model"]["rope_theta"] == 12345.0 and saved["model"]["n_layers"] == 2
-  assert saved["data"]["tokenizer"] == str(root / "hf" / "tokenizer.json")
+  assert (saved["data"]["kind"], saved["data"]["tokenizer"]) == ("text", str(root / "wd" / "tokenizer.json"))
 
 
 def test_converted_state_restores_with_standard_restore_into_shardings(converted):
@@ -73,7 +73,8 @@ def test_converted_state_restores_with_standard_restore_into_shardings(converted
   got = mngr.restore(0, args=ocp.args.Composite(state=ocp.args.StandardRestore({"params": abstract})))["state"]
   meta = mngr.restore(0, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   assert meta["format"] == 1 and meta["config"]["model"]["d_ff"] == 96
-  assert meta["tokenizer"] == {"kind": "hf", "path": str(root / "hf" / "tokenizer.json")}
+  assert meta["tokenizer"] == json.loads((root / "wd" / "tokenizer_ref.json").read_text())
+  assert meta["tokenizer"]["spec"] == {"kind": "hf", "path": "tokenizer.json"}
   _, want = hf.import_hf(str(root / "hf"))
   q = got["params"]["layers"]["attn"]["q"]
   assert q.sharding == shardings["layers"]["attn"]["q"] and not q.sharding.is_fully_replicated

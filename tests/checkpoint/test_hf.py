@@ -9,20 +9,36 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import tokenizers  # noqa: E402
+
 from jaxtrain import __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import hf, pretrained  # noqa: E402
 
 torch.set_grad_enabled(False)
+TEXTS = ["Once upon a time there was a little fox.", "The fox lived in a forest near a river.",
+         "Every day the fox ran to the river to drink.", "One day it met a bear who was fishing."] * 5
+
+
+def bpe_tokenizer_json(path):
+  """A byte-level BPE tokenizer.json as HF Llama-3-style models ship them, trained here on TEXTS."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(TEXTS, tokenizers.trainers.BpeTrainer(
+      vocab_size=300, show_progress=False, special_tokens=["<s>", "</s>"],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(path))
+  return tok.token_to_id("<s>"), tok.token_to_id("</s>")
 
 
 def hf_model(tie: bool, seed: int = 0, **config):
   """A tiny random float32 Llama (`config` overrides LlamaConfig fields); every weight (norms included)
   is perturbed so a swapped or mis-transposed tensor changes the logits."""
   torch.manual_seed(seed)
-  config = transformers.LlamaConfig(
-      vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      intermediate_size=96, max_position_embeddings=64, rope_theta=12345.0, rms_norm_eps=1e-5,
-      tie_word_embeddings=tie, attn_implementation="eager", **config)
+  config = transformers.LlamaConfig(**{
+      "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 64, "rope_theta": 12345.0,
+      "rms_norm_eps": 1e-5, "tie_word_embeddings": tie, "attn_implementation": "eager", **config})
   model = transformers.LlamaForCausalLM(config).float().eval()
   for p in model.parameters():
     p.copy_(p + 0.1 * torch.randn_like(p))
