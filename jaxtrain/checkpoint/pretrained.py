@@ -19,17 +19,40 @@ STATE, META = "state", "meta"
 
 
 def tiers(src: str) -> list[tuple[str, str]]:
-  """(name, dir) of the checkpoint tiers of a workdir (from its config.json), or [("tier", src)]
-  when src is a tier dir itself. ConfigError (one line) when src is neither."""
+  """(name, dir) of the checkpoint tiers of a workdir, or [("tier", src)] when src is a tier dir itself.
+  A workdir's tiers come from its config.json or, without one, from the config saved in the newest step
+  of WORKDIR/checkpoints. ConfigError (one line) when src is neither, or its config.json is unreadable."""
+  from jaxtrain.checkpoint import tier_dirs
   if not os.path.isdir(src):
     raise config_lib.ConfigError(f"{src}: no such directory")
   if hf.is_hf_dir(src):
     raise config_lib.ConfigError(f"{src} is a Hugging Face directory; convert it with --from_hf first")
   if os.path.isfile(os.path.join(src, "config.json")):
-    from jaxtrain.checkpoint import tier_dirs
-    dirs = tier_dirs(read_json(os.path.join(src, "config.json")).get("checkpoint", {}), src)
-    return sorted(dirs.items(), key=lambda item: item[0] != "persistent")  # persistent first
-  return [("tier", src)]
+    dirs = tier_dirs(_workdir_config(os.path.join(src, "config.json")).get("checkpoint", {}), src)
+  elif os.path.isdir(os.path.join(src, "checkpoints")):
+    saved = _newest_saved_config(os.path.join(src, "checkpoints")).get("checkpoint", {})
+    dirs = {**tier_dirs(saved, src), "persistent": os.path.join(os.path.abspath(src), "checkpoints")}
+  else:
+    return [("tier", src)]
+  return sorted(dirs.items(), key=lambda item: item[0] != "persistent")  # persistent first
+
+
+def _workdir_config(path: str) -> dict:
+  """A workdir's config.json as a dict; ConfigError (one line) when it is not a JSON object."""
+  try:
+    cfg = read_json(path)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise config_lib.ConfigError(f"{path} is not JSON ({str(e).splitlines()[0]})") from None
+  if not isinstance(cfg, dict):
+    raise config_lib.ConfigError(f"{path} is not a JSON object")
+  return cfg
+
+
+def _newest_saved_config(tier: str) -> dict:
+  """The config saved in the meta item of a tier's newest complete step; {} when there is none."""
+  mngr = manager(tier)
+  steps = [s for s in mngr.all_steps() if os.path.isdir(os.path.join(mngr.directory, str(s), META))]
+  return read_meta(mngr, max(steps))["config"] if steps else {}
 
 
 def manager(tier: str):
@@ -65,14 +88,18 @@ def find_step(src: str, step: int | None = None):
 
 def read_config(src: str, mngr, step: int) -> ml_collections.ConfigDict:
   """The config saved with the step (its `meta` item), else the workdir's config.json."""
-  import orbax.checkpoint as ocp
   if os.path.isdir(os.path.join(mngr.directory, str(step), META)):
-    meta = mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-    return ml_collections.ConfigDict(meta["config"])
+    return ml_collections.ConfigDict(read_meta(mngr, step)["config"])
   path = os.path.join(src, "config.json")
   if not os.path.isfile(path):
     raise config_lib.ConfigError(f"{src}: step {step} has no meta item and there is no config.json")
   return ml_collections.ConfigDict(read_json(path))
+
+
+def read_meta(mngr, step: int) -> dict:
+  """A step's meta item: format, config, tokenizer reference."""
+  import orbax.checkpoint as ocp
+  return mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
 
 
 def model_config(cfg, mngr, step) -> hf.ModelConfig:

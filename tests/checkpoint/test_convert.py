@@ -369,3 +369,28 @@ def test_bad_target_is_one_line_exit_2_and_left_as_it_was(converted, capsys, tmp
   rc, out, err = run(capsys, "convert", "--from_hf", root / "hf", "--to", to)
   assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
   assert tree_snapshot(tmp_path) == before
+
+
+def test_inspect_workdir_without_config_json_lists_its_steps(trained, capsys, tmp_path):
+  """The config saved in the steps is the truth: WORKDIR/checkpoints is listed, and the fast tier its
+  newest step's config names."""
+  root, model, states = trained
+  shutil.copytree(root / "wd", tmp_path / "wd")
+  os.remove(tmp_path / "wd" / "config.json")
+  rc, out, err = run(capsys, "inspect", tmp_path / "wd")
+  assert rc == 0 and err == "", err
+  lines = out.splitlines()
+  assert f"tier persistent: {tmp_path / 'wd' / 'checkpoints'}" in lines and f"tier fast: {root / 'fast'}" in lines
+  for step in ("3", "5", "7"):
+    assert any(line.split()[0] == step and line.split()[-1] == "complete" for line in lines), out
+  assert f"step 7 in {root / 'fast'}" in out and "d_model=32" in out
+  _, params, apply_fn = pretrained.load_pretrained(str(tmp_path / "wd"))
+  tokens_BL = TOKENS_BL % 64
+  np.testing.assert_allclose(apply_fn(params, tokens_BL), model.apply({"params": states[7]}, tokens_BL), atol=1e-6)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_inspect_workdir_with_broken_config_json_is_one_line(capsys, tmp_path, text):
+  (tmp_path / "config.json").write_text(text)
+  rc, out, err = run(capsys, "inspect", tmp_path)
+  assert rc == 2 and out == "" and err.count("\n") == 1 and "config.json" in err, err
