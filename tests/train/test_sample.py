@@ -18,20 +18,25 @@ PROMPT = "< 1 2 3 |"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A tiny run of 2 steps on a data=2 x fsdp=4 mesh: its checkpoint has state (with opt_state), data and meta."""
+  """A tiny MoE run of 3 steps (odd: two sign updates of the expert biases can cancel) on a data=2 x fsdp=4
+  mesh: its checkpoint has state (opt_state, extra = the expert biases), data and meta."""
   workdir = str(tmp_path_factory.mktemp("run"))
-  jaxtrain.train(tiny_config(train={"steps": 2}, mesh={"data": 2, "fsdp": -1}), workdir, progress=False,
-                 sync_every_step=True)
+  cfg = tiny_config(train={"steps": 3}, mesh={"data": 2, "fsdp": -1},
+                    model={"n_experts": 4, "top_k": 2, "bias_update_rate": 0.1})
+  jaxtrain.train(cfg, workdir, progress=False, sync_every_step=True)
   return workdir
 
 
 def reference(workdir, max_new_tokens):
-  """Greedy continuation of PROMPT by the saved params, with generate called directly."""
+  """Greedy continuation of PROMPT by the saved params and expert biases, with generate called directly."""
   cfg = workdir_lib.load_config(workdir)
   model_cfg, params = pretrained.load_params(workdir)
+  extra = pretrained.load_extra(workdir)
+  assert np.any(jax.tree.leaves(extra)[0] != 0)  # the biases moved: they change which experts run
   tokenizer = data.make_tokenizer(cfg, workdir)
   prompt_BP = jnp.asarray(np.concatenate([[tokenizer.bos], tokenizer.encode(PROMPT)]), jnp.int32)[None]
-  out = np.asarray(generate(Transformer(model_cfg), params, prompt_BP, jax.random.key(0), max_new_tokens, 0.0, 0))[0]
+  out = np.asarray(generate(Transformer(model_cfg), params, prompt_BP, jax.random.key(0), max_new_tokens, 0.0, 0,
+                            extra))[0]
   if tokenizer.eos in out:
     out = out[: list(out).index(tokenizer.eos) + 1]
   return tokenizer.decode(out)
