@@ -2,12 +2,15 @@
 
 Checkpoint layout and readers (tiers, steps, config, partial restore): pretrained.py.
 
-Import writes one jaxtrain leaf at a time with Orbax partial saving (`ocp.v1.partial.save`, one call
-per leaf, `ocp.v1.partial.finalize` at the end) into a staging dir named like Orbax's own temporary step dirs
-(`0.orbax-checkpoint-tmp`); `meta` is added there and the staging dir is renamed to `0` last, so an
-interrupted conversion never leaves a step that looks complete. The result is an ordinary OCDBT
-PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read leaves with
-`ocp.args.PyTreeRestore(partial_restore=True)`; inspection reads only Orbax metadata.
+Import checks everything it reads first (config.json, every safetensors header against its file's
+size, tensor names and shapes, the tokenizer file), then builds the whole workdir in WORKDIR.converting
+and renames it to WORKDIR last: a failed or interrupted conversion leaves no WORKDIR. It writes one
+jaxtrain leaf at a time with Orbax partial saving (`ocp.v1.partial.save`, one call per leaf,
+`ocp.v1.partial.finalize` at the end) into a step dir named like Orbax's own temporary step dirs
+(`0.orbax-checkpoint-tmp`), adds `meta` and renames it to `0`. The HF tokenizer (tokenizer.json or
+tokenizer.model) is copied in with the tokenizer_ref.json that sampling reads. The state item is an
+ordinary OCDBT PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read leaves
+with `ocp.args.PyTreeRestore(partial_restore=True)`; inspection reads only Orbax metadata.
 """
 
 import dataclasses
@@ -101,8 +104,9 @@ def hf_tokenizer(hf_dir: str) -> str | None:
       try:
         loaders[kind](path)
       except Exception as e:  # noqa: BLE001 (both bindings raise bare Exception/RuntimeError)
-        raise config_lib.ConfigError(f"--from_hf: {path} does not load ({str(e).splitlines()[0] if str(e) else e!r}); "
-                                     "remove it to convert without a tokenizer") from None
+        why = (str(e) or repr(e)).splitlines()[0]
+        raise config_lib.ConfigError(f"--from_hf: {path} does not load ({why}); remove it to convert without "
+                                     "a tokenizer") from None
       return path
   return None
 
@@ -209,7 +213,7 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
 
   hf.write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
   tokenizer = cfg.data.tokenizer
-  name = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}.get(_tokenizer_kind(tokenizer))
+  name = {".json": "tokenizer.json", ".model": "tokenizer.model"}.get(os.path.splitext(tokenizer)[1])
   if name and os.path.isfile(tokenizer):
     shutil.copyfile(tokenizer, os.path.join(out_dir, name))
   return out_dir
@@ -277,10 +281,6 @@ def _sharding_text(sharding) -> str:
 
 
 # ---- small pieces ----
-
-def _tokenizer_kind(path: str) -> str | None:
-  return {".json": "hf", ".model": "sentencepiece"}.get(os.path.splitext(path)[1])
-
 
 def _np_dtype(name: str):
   import jax.numpy as jnp
