@@ -22,7 +22,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "TrainState": ("jaxtrain.train", "TrainState"),
     "Task": ("jaxtrain.train", "Task"),
     "LanguageModel": ("jaxtrain.train", "LanguageModel"),
-    "load_pretrained": ("jaxtrain.checkpoint.hf", "load_pretrained"),
+    "load_pretrained": ("jaxtrain.checkpoint.pretrained", "load_pretrained"),
     "read_metrics": ("jaxtrain.metrics", "read_metrics"),
 }
 

@@ -1,17 +1,20 @@
 """Streaming conversion between HF Llama / Mixtral checkpoints and jaxtrain's Orbax checkpoints, and inspection.
 
-A tier directory holds integer step dirs, each with the Orbax items `state` (the train state as a
-dict; a converted checkpoint has only `params`) and `meta` (JSON: format, config, tokenizer).
+Checkpoint layout and readers (tiers, steps, config, partial restore): pretrained.py.
 
-Import writes one jaxtrain leaf at a time with Orbax partial saving (`ocp.v1.partial.save`, one call
-per leaf, `ocp.v1.partial.finalize` at the end) into a staging dir named like Orbax's own temporary step dirs
-(`0.orbax-checkpoint-tmp`); `meta` is added there and the staging dir is renamed to `0` last, so an
-interrupted conversion never leaves a step that looks complete. The result is an ordinary OCDBT
-PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read leaves with
-`ocp.args.PyTreeRestore(partial_restore=True)`; inspection reads only Orbax metadata.
+Import checks everything it reads first (config.json, every safetensors header against its file's
+size, tensor names and shapes, the tokenizer file), then builds the whole workdir in WORKDIR.converting
+and renames it to WORKDIR last: a failed or interrupted conversion leaves no WORKDIR. It writes one
+jaxtrain leaf at a time with Orbax partial saving (`ocp.v1.partial.save`, one call per leaf,
+`ocp.v1.partial.finalize` at the end) into a step dir named like Orbax's own temporary step dirs
+(`0.orbax-checkpoint-tmp`), adds `meta` and renames it to `0`. The HF tokenizer (tokenizer.json or
+tokenizer.model) is copied in with the tokenizer_ref.json that sampling reads. The state item is an
+ordinary OCDBT PyTree item that `ocp.args.StandardRestore` reads. Export and `load_params` read leaves
+with `ocp.args.PyTreeRestore(partial_restore=True)`; inspection reads only Orbax metadata.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -21,10 +24,15 @@ import numpy as np
 
 from jaxtrain import config as config_lib
 from jaxtrain.checkpoint import hf, safetensors_io
+from jaxtrain.checkpoint.pretrained import (META, STATE, find_step, manager, model_config, params_metadata,
+                                            read_config, read_json, restore_params, state_metadata,
+                                            tiers)
+from jaxtrain.checkpoint.pretrained import load_extra, load_params  # noqa: F401 (callers that predate pretrained.py)
 
 FORMAT = 1
-STATE, META = "state", "meta"
+STAGING_SUFFIX = ".converting"  # WORKDIR.converting: the workdir being written, renamed to WORKDIR last
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's TMP_DIR_SUFFIX; partial saves add ".partial_save"
+TOKENIZER_FILES = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}  # HF file -> data.tokenizers kind
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
             "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight",
             "router_z_weight", "bias_update_rate")  # shown only for a mixture-of-experts model
@@ -33,128 +41,86 @@ TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", 
               "data.kind", "data.tokenizer")
 
 
-# ---- tiers and steps ----
-
-def tiers(src: str) -> list[tuple[str, str]]:
-  """(name, dir) of the checkpoint tiers of a workdir (from its config.json), or [("tier", src)]
-  when src is a tier dir itself. ConfigError (one line) when src is neither."""
-  if not os.path.isdir(src):
-    raise config_lib.ConfigError(f"{src}: no such directory")
-  if hf.is_hf_dir(src):
-    raise config_lib.ConfigError(f"{src} is a Hugging Face directory; convert it with --from_hf first")
-  if os.path.isfile(os.path.join(src, "config.json")):
-    from jaxtrain.checkpoint import tier_dirs
-    dirs = tier_dirs(_read_json(os.path.join(src, "config.json")).get("checkpoint", {}), src)
-    return sorted(dirs.items(), key=lambda item: item[0] != "persistent")  # persistent first
-  return [("tier", src)]
-
-
-def manager(tier: str):
-  """A read-only Orbax manager over a tier, with the handlers of its items."""
-  import orbax.checkpoint as ocp
-  from absl import logging
-  from jaxtrain.checkpoint import DataStateHandler  # the package's own item (a training checkpoint's data)
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.ERROR)  # it warns that the directory is read-only, as asked
-  try:
-    return ocp.CheckpointManager(os.path.abspath(tier), options=options, item_handlers={
-        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler(), "data": DataStateHandler()})
-  finally:
-    logging.set_verbosity(verbosity)
-
-
-def find_step(src: str, step: int | None = None):
-  """(manager, step) of the newest complete step over all tiers of src (or of `step`)."""
-  best = None
-  for _, tier in tiers(src):
-    if not os.path.isdir(tier):
-      continue
-    mngr = manager(tier)
-    for s in mngr.all_steps():
-      if (step is None or s == step) and (best is None or s > best[1]):
-        best = (mngr, s)
-  if best is None:
-    what = "no complete checkpoint" if step is None else f"no complete step {step}"
-    raise config_lib.ConfigError(f"{src}: {what} (looked in {', '.join(t for _, t in tiers(src))})")
-  return best
-
-
-def read_config(src: str, mngr, step: int) -> ml_collections.ConfigDict:
-  """The config saved with the step (its `meta` item), else the workdir's config.json."""
-  import orbax.checkpoint as ocp
-  if os.path.isdir(os.path.join(mngr.directory, str(step), META)):
-    meta = mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-    return ml_collections.ConfigDict(meta["config"])
-  path = os.path.join(src, "config.json")
-  if not os.path.isfile(path):
-    raise config_lib.ConfigError(f"{src}: step {step} has no meta item and there is no config.json")
-  return ml_collections.ConfigDict(_read_json(path))
-
-
-def params_metadata(mngr, step: int) -> dict:
-  """The `params` subtree of the state item's Orbax metadata (shapes, dtypes; no array is read)."""
-  tree = mngr.item_metadata(step)[STATE]
-  tree = getattr(tree, "tree", tree)
-  if not isinstance(tree, dict) or "params" not in tree:
-    raise config_lib.ConfigError(f"{mngr.directory}/{step}: the state item has no params")
-  return tree["params"]
-
-
-def restore_params(mngr, step: int, tree: dict, key: str = "params") -> dict:
-  """The leaves of `tree` (a subtree of the state's `key` metadata) as numpy arrays, read with partial
-  restore."""
-  import jax
-  import orbax.checkpoint as ocp
-  item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-  restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  args = ocp.args.PyTreeRestore(item={key: item}, restore_args={key: restore_args}, partial_restore=True)
-  return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE][key]
-
-
-def load_extra(src: str, step: int | None = None) -> dict:
-  """The non-trainable model collections (TrainState.extra, e.g. MoE expert biases) of a training
-  checkpoint's newest step (or `step`); {} when it has none (a converted model)."""
-  mngr, step = find_step(src, step)
-  tree = mngr.item_metadata(step)[STATE]
-  tree = getattr(tree, "tree", tree)
-  extra = tree.get("extra") if isinstance(tree, dict) else None
-  return restore_params(mngr, step, extra, "extra") if extra else {}
-
-
-def load_params(src: str, step: int | None = None):
-  """(ModelConfig, params as numpy) of a workdir's or tier's newest step (or `step`)."""
-  mngr, step = find_step(src, step)
-  cfg = _model_config(read_config(src, mngr, step), mngr, step)
-  return cfg, restore_params(mngr, step, params_metadata(mngr, step))
-
-
 # ---- HF -> jaxtrain ----
 
 def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
-  """Converts a HF Llama or Mixtral directory into WORKDIR/config.json and the step WORKDIR/checkpoints/0,
-  one leaf at a time; returns the step dir."""
-  import orbax.checkpoint as ocp
+  """Converts a HF Llama or Mixtral directory into a new workdir (config.json, checkpoints/0), one leaf at
+  a time; returns the step dir. All input is checked before anything is written; the workdir is written
+  as WORKDIR.converting and renamed last, so a failed or interrupted conversion leaves no WORKDIR."""
+  model, tokenizer = read_hf(hf_dir), hf_tokenizer(hf_dir)
+  check_target(workdir)
+  staging = os.path.abspath(workdir) + STAGING_SUFFIX
+  shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
+  try:
+    os.makedirs(staging)
+    write_workdir(hf_dir, model, tokenizer, staging, os.path.abspath(workdir), dtype)
+    os.rename(staging, workdir)  # onto an absent or empty dir
+  except BaseException as e:
+    shutil.rmtree(staging, ignore_errors=True)
+    if isinstance(e, (ValueError, OSError)) and not isinstance(e, config_lib.ConfigError):
+      raise config_lib.ConfigError(f"convert --from_hf {hf_dir} --to {workdir}: {e}".splitlines()[0]) from e
+    raise
+  return os.path.join(workdir, "checkpoints", "0")
+
+
+def read_hf(hf_dir: str):
+  """The ModelConfig of a HF directory, once its config.json, every safetensors header (against its
+  file's size) and every tensor name and shape are checked; ConfigError (one line) otherwise."""
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
     raise config_lib.ConfigError(f"--from_hf: {hf_dir} has no config.json (expected a HF Llama or Mixtral directory)")
   try:
     model = hf.read_config(hf_dir)
     hf.check_tensors(model, safetensors_io.tensor_index(hf_dir), hf_dir)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, OSError) as e:
     raise config_lib.ConfigError(f"--from_hf: {e}") from e
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise config_lib.ConfigError(f"--to: {workdir} is not a directory")
-  tier = os.path.abspath(os.path.join(workdir, "checkpoints"))
-  final, staging = os.path.join(tier, "0"), os.path.join(tier, "0" + TMP_SUFFIX)
-  existing = [tier] + ([t for _, t in tiers(workdir)] if os.path.isdir(workdir) else [])
-  if any(os.path.isdir(t) and manager(t).all_steps() for t in existing):
-    raise config_lib.ConfigError(f"--to: {workdir} already holds checkpoints; choose a new workdir")
-  for leftover in (staging, staging + ".partial_save"):  # from an interrupted conversion
-    shutil.rmtree(leftover, ignore_errors=True)
+  return model
 
-  cfg = workdir_config(model, hf_dir, dtype)
-  os.makedirs(tier, exist_ok=True)
-  _write_text(os.path.join(workdir, "config.json"), cfg.to_json(indent=2))
+
+def check_target(workdir: str) -> None:
+  """ConfigError (one line) unless --to is absent or an empty directory, in a directory we may write."""
+  if os.path.lexists(workdir) and not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f"--to: {workdir} is not a directory")
+  if os.path.isdir(workdir) and os.listdir(workdir):
+    raise config_lib.ConfigError(f"--to: {workdir} is not empty; choose a new workdir")
+  parent = os.path.dirname(os.path.abspath(workdir))
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise config_lib.ConfigError(f"--to: {parent} is not a directory")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise config_lib.ConfigError(f"--to: cannot write in {parent}")
+
+
+def hf_tokenizer(hf_dir: str) -> str | None:
+  """The tokenizer file of a HF directory (tokenizer.json before tokenizer.model), or None; ConfigError
+  (one line) for one that its library cannot load."""
+  import sentencepiece
+  import tokenizers
+  loaders = {"hf": tokenizers.Tokenizer.from_file,
+             "sentencepiece": lambda path: sentencepiece.SentencePieceProcessor(model_file=path)}
+  for name, kind in TOKENIZER_FILES.items():
+    path = os.path.join(hf_dir, name)
+    if os.path.isfile(path):
+      try:
+        loaders[kind](path)
+      except Exception as e:  # noqa: BLE001 (both bindings raise bare Exception/RuntimeError)
+        why = (str(e) or repr(e)).splitlines()[0]
+        raise config_lib.ConfigError(f"--from_hf: {path} does not load ({why}); remove it to convert without "
+                                     "a tokenizer") from None
+      return path
+  return None
+
+
+def write_workdir(hf_dir: str, model, tokenizer: str | None, root: str, final_root: str, dtype: str) -> None:
+  """ROOT/config.json, the tokenizer and the step ROOT/checkpoints/0, one leaf at a time (ROOT will be
+  renamed to FINAL_ROOT); the step is Orbax's partial save into a staging step dir, renamed when complete."""
+  import orbax.checkpoint as ocp
+  tier = os.path.join(root, "checkpoints")
+  final, staging = os.path.join(tier, "0"), os.path.join(tier, "0" + TMP_SUFFIX)
+  ref = carry_tokenizer(tokenizer, root)
+  cfg = workdir_config(model, dtype, tokenizer and os.path.join(final_root, os.path.basename(tokenizer)))
+  os.makedirs(tier)
+  _write_text(os.path.join(root, "config.json"), cfg.to_json(indent=2))
   context = ocp.v1.Context()
   context.memory.deepcopy_host_arrays = False  # each save blocks until written: no copy needed
   # Without zstd, TensorStore writes the leaf's bytes as they are; with it, compressed buffers of
@@ -166,22 +132,35 @@ def from_hf(hf_dir: str, workdir: str, dtype: str = "float32") -> str:
       save_leaf(staging, path, leaf)
       del leaf
     ocp.v1.partial.finalize(staging)
-  tokenizer = {"kind": "hf", "path": cfg.data.tokenizer} if cfg.data.tokenizer.endswith(".json") else None
-  _commit(staging, final, {"format": FORMAT, "config": cfg.to_dict(), "tokenizer": tokenizer})
-  return final
+  _commit(staging, final, {"format": FORMAT, "config": cfg.to_dict(), "tokenizer": ref})
 
 
-def workdir_config(model, hf_dir: str, dtype: str) -> ml_collections.ConfigDict:
-  """default_config() with the model section of a HF model (a ModelConfig; MoE fields included) and
-  its tokenizer.json (if any)."""
+def workdir_config(model, dtype: str, tokenizer: str | None) -> ml_collections.ConfigDict:
+  """default_config() with the model section of a HF model (a ModelConfig; MoE fields included) and a
+  data section of text in the ids of `tokenizer` (its path in the workdir; "" when it has none)."""
   cfg = config_lib.default_config()
   values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
             if f.name in cfg.model and f.name not in ("param_dtype", "compute_dtype")}
   cfg.model.update(values, param_dtype=dtype)
-  tokenizer = os.path.join(os.path.abspath(hf_dir), "tokenizer.json")
-  if os.path.isfile(tokenizer):
-    cfg.data.tokenizer = tokenizer
+  cfg.data.update(kind="text", tokenizer=tokenizer or "")
   return cfg
+
+
+def carry_tokenizer(path: str | None, root: str) -> dict | None:
+  """Copies a HF tokenizer file into the workdir ROOT and writes ROOT/tokenizer_ref.json, which
+  jaxtrain.data's make_tokenizer reads (data/tokenizers.py save_reference's format: a spec with a path
+  relative to the workdir, and sha256(kind + file bytes)[:16]); returns it (None without a tokenizer)."""
+  if path is None:
+    return None
+  name = os.path.basename(path)
+  kind = TOKENIZER_FILES[name]
+  shutil.copyfile(path, os.path.join(root, name))
+  digest = hashlib.sha256(kind.encode())
+  with open(os.path.join(root, name), "rb") as f:
+    digest.update(f.read())
+  ref = {"spec": {"kind": kind, "path": name}, "fingerprint": digest.hexdigest()[:16]}
+  _write_text(os.path.join(root, "tokenizer_ref.json"), json.dumps(ref, indent=2))
+  return ref
 
 
 def save_leaf(staging: str, path: tuple, leaf) -> None:
@@ -199,7 +178,7 @@ def _commit(staging: str, final: str, meta: dict) -> None:
   ocp.JsonCheckpointHandler().save(epath.Path(staging) / META, args=ocp.args.JsonSave(meta))
   # The partial saver records its own v1 handler; a manager restoring without args needs these.
   step_meta_path = os.path.join(staging, "_CHECKPOINT_METADATA")
-  step_meta = _read_json(step_meta_path)
+  step_meta = read_json(step_meta_path)
   step_meta["item_handlers"] = {STATE: ocp.StandardCheckpointHandler().typestr(),
                                 META: ocp.JsonCheckpointHandler().typestr()}
   _write_text(step_meta_path, json.dumps(step_meta))
@@ -217,7 +196,7 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
     raise config_lib.ConfigError(f"--to_hf: {out_dir} is not empty")
   mngr, step = find_step(src, step)
   cfg = read_config(src, mngr, step)
-  model = _model_config(cfg, mngr, step)
+  model = model_config(cfg, mngr, step)
   try:
     hf.config_to_hf(model, dtype)
   except ValueError as e:
@@ -234,8 +213,9 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
 
   hf.write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
   tokenizer = cfg.data.tokenizer
-  if tokenizer.endswith(".json") and os.path.isfile(tokenizer):
-    shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+  name = {".json": "tokenizer.json", ".model": "tokenizer.model"}.get(os.path.splitext(tokenizer)[1])
+  if name and os.path.isfile(tokenizer):
+    shutil.copyfile(tokenizer, os.path.join(out_dir, name))
   return out_dir
 
 
@@ -256,8 +236,7 @@ def describe(src: str, step: int | None = None) -> str:
     return "\n".join(lines + ["no complete step"])
   mngr, step = find_step(src, step)
   lines.append(f"step {step} in {mngr.directory}; state item:")
-  tree = mngr.item_metadata(step)[STATE]
-  leaves = sorted(_flat(getattr(tree, "tree", tree)), key=lambda item: (item[0][0] != "params", item[0]))
+  leaves = sorted(_flat(state_metadata(mngr, step)), key=lambda item: (item[0][0] != "params", item[0]))
   width = max(len("/".join(path)) for path, _ in leaves)
   totals = {"params": [0, 0], "state": [0, 0]}
   for path, leaf in leaves:
@@ -308,13 +287,6 @@ def _np_dtype(name: str):
   return {"float32": np.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def _model_config(cfg, mngr, step):
-  """The ModelConfig of a step's config."""
-  if "model" not in cfg:
-    raise config_lib.ConfigError(f"{mngr.directory}/{step}: its config has no model section")
-  return hf.ModelConfig.from_config(cfg.model)
-
-
 def _nest(path: tuple, value) -> dict:
   for key in reversed(path):
     value = {key: value}
@@ -357,11 +329,6 @@ def _human(n: int) -> str:
 def _step_order(name: str):
   head = name.split(".")[0]
   return (int(head), name) if head.isdigit() else (float("inf"), name)
-
-
-def _read_json(path: str) -> dict:
-  with open(path) as f:
-    return json.load(f)
 
 
 def _write_text(path: str, text: str) -> None:

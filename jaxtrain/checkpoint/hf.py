@@ -23,6 +23,7 @@ either; export writes the per-expert hub layout, which every transformers versio
 import dataclasses
 import glob
 import json
+import math
 import os
 
 import jax
@@ -55,28 +56,29 @@ HF_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, 
                "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                            "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
                            "router_aux_loss_coef": 0.001}}
+# The fields config_from_hf reads, with the type each must have: (key, check, what it must be).
+REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts",
+                 "num_experts_per_tok", "sliding_window")
+FIELD_TYPES = (
+    [(key, lambda v: type(v) is int and v > 0, "a positive integer") for key in REQUIRED_INTS + OPTIONAL_INTS]
+    + [(key, lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0, "a finite number >= 0")
+       for key in ("rope_theta", "rms_norm_eps", "router_aux_loss_coef")]
+    + [(key, lambda v: type(v) is bool, "true or false")
+       for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")]
+    + [(key, lambda v: isinstance(v, dict), "an object") for key in ("rope_scaling", "rope_parameters")]
+    + [("hidden_act", lambda v: isinstance(v, str), "a string")])
 EMBED = "model.embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-  """A ModelConfig from a LlamaConfig or MixtralConfig dict; refuses features our model does not
-  implement. Mixtral's router_jitter_noise and attention_dropout act only in training: ignored."""
-  mixtral = hf.get("model_type") == "mixtral"
-  defaults = HF_DEFAULTS["mixtral" if mixtral else "llama"]
+  """A ModelConfig from a LlamaConfig or MixtralConfig dict; refuses (check_architecture) what our model
+  does not implement. Mixtral's router_jitter_noise and attention_dropout act only in training: ignored."""
+  check_architecture(hf)
+  defaults = HF_DEFAULTS[hf["model_type"]]
   get = lambda key: hf[key] if hf.get(key) is not None else defaults.get(key)  # noqa: E731
   rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta and the rope type here
-  scaling = hf.get("rope_scaling") or rope
-  if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-    raise ValueError(f"rope scaling is not supported: {scaling}")
-  if hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise ValueError("attention_bias / mlp_bias are not supported")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-  window, max_pos = hf.get("sliding_window"), get("max_position_embeddings")
-  if window is not None and window < max_pos:  # transformers masks keys more than window - 1 back
-    raise ValueError(f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
-                     "attention is not supported")
   heads = hf["num_attention_heads"]
   cfg = ModelConfig(
       vocab_size=hf["vocab_size"],
@@ -86,12 +88,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
       n_kv_heads=get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       d_ff=hf["intermediate_size"],
-      max_seq_len=max_pos,
+      max_seq_len=get("max_position_embeddings"),
       rope_theta=float(rope.get("rope_theta") or get("rope_theta")),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       norm_eps=float(get("rms_norm_eps")),
   )
-  if not mixtral:
+  if hf["model_type"] != "mixtral":
     return cfg
   e, k = get("num_local_experts"), get("num_experts_per_tok")
   if not 1 <= k <= e:
@@ -99,6 +101,49 @@ def config_from_hf(hf: dict) -> ModelConfig:
   # HF's load-balancing loss counts a token's k assignments against 1 (ours against k): k times ours.
   return dataclasses.replace(cfg, n_experts=e, top_k=k, d_ff_expert=cfg.d_ff, dispatch="dropless",
                              aux_loss_weight=k * float(get("router_aux_loss_coef")), **MIXTRAL_MOE)
+
+
+def check_architecture(hf) -> None:
+  """ValueError (one line, naming it) for the first setting of a HF config.json that jaxtrain does not
+  compute as transformers does: another model_type (Granite has Llama's tensors and other math),
+  rope scaling, biases, another activation, sliding windows, quantized weights, ill-typed fields."""
+  if not isinstance(hf, dict):
+    raise ValueError(f"config.json is not a JSON object (got {type(hf).__name__})")
+  if hf.get("model_type") not in HF_DEFAULTS:
+    raise ValueError(f"model_type {hf.get('model_type')!r} is not supported ({', '.join(HF_DEFAULTS)})")
+  _check_types(hf)
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key):
+      raise ValueError(f"{key}=True is not supported")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+  for key in ("rope_scaling", "rope_parameters"):
+    rope = hf.get(key) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" or rope.get("partial_rotary_factor", 1) != 1:
+      raise ValueError(f"{key} {rope} is not supported (only the default rope)")
+  if hf.get("quantization_config"):
+    raise ValueError(f"quantization_config {hf['quantization_config']} is not supported (only unquantized weights)")
+  window = hf.get("sliding_window")
+  max_pos = hf.get("max_position_embeddings") or HF_DEFAULTS[hf["model_type"]]["max_position_embeddings"]
+  if window is not None and window < max_pos:  # transformers masks keys more than window - 1 back
+    raise ValueError(f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
+                     "attention is not supported")
+  heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+  if not hf.get("head_dim") and hf["hidden_size"] % heads:
+    raise ValueError(f"hidden_size={hf['hidden_size']} is not a multiple of num_attention_heads={heads} "
+                     "(and there is no head_dim)")
+  if heads % kv:
+    raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+
+
+def _check_types(hf: dict) -> None:
+  """ValueError unless every field we read has the type transformers gives it."""
+  for key in REQUIRED_INTS:
+    if key not in hf:
+      raise ValueError(f"config.json lacks {key}")
+  for key, ok, want in FIELD_TYPES:
+    if hf.get(key) is not None and not ok(hf[key]):
+      raise ValueError(f"{key}={hf[key]!r} is not {want}")
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
@@ -205,11 +250,14 @@ def is_hf_dir(path: str) -> bool:
 
 
 def read_config(hf_dir: str) -> ModelConfig:
-  with open(os.path.join(hf_dir, "config.json")) as f:
-    try:
-      return config_from_hf(json.load(f))
-    except KeyError as e:
-      raise ValueError(f"{hf_dir}/config.json is not a HF Llama or Mixtral config (it lacks {e})") from None
+  """The ModelConfig of a HF directory's config.json; ValueError (one line, naming the file) when it is
+  not JSON or not a config that jaxtrain implements."""
+  path = os.path.join(hf_dir, "config.json")
+  try:
+    with open(path, "rb") as f:
+      return config_from_hf(json.loads(f.read()))
+  except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise ValueError(f"{path}: {e}".splitlines()[0]) from None
 
 
 def check_tensors(cfg: ModelConfig, index: dict, hf_dir: str) -> None:
@@ -299,22 +347,6 @@ def export_hf(cfg: ModelConfig, params, out_dir: str, max_shard_bytes: int = 5 *
   see write_hf."""
   params = _unbox(params)
   write_hf(cfg, out_dir, lambda path: get_at(params, path), dtype, max_shard_bytes)
-
-
-def load_pretrained(path: str):
-  """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or checkpoint
-  tier (its newest step's params, read with Orbax partial restore);
-  apply_fn(params, tokens_BL) -> logits_BLV. A trained MoE's expert biases (TrainState.extra) are
-  bound into apply_fn: they choose the experts."""
-  extra = {}
-  if is_hf_dir(path):
-    cfg, params = import_hf(path)
-  else:
-    from jaxtrain.checkpoint import convert  # convert builds on this module
-    cfg, params = convert.load_params(path)
-    extra = convert.load_extra(path)
-  model = Transformer(cfg)
-  return cfg, params, lambda p, tokens_BL: model.apply({"params": p, **extra}, tokens_BL)
 
 
 def _unbox(tree):

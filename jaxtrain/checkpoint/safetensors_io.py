@@ -20,27 +20,77 @@ BLOCK_BYTES = 8 * 2**20  # rows copied per read or write
 
 
 def tensor_index(hf_dir: str) -> dict:
-  """HF tensor name -> (file, dtype code, shape, byte offset), from the safetensors headers only."""
+  """HF tensor name -> (file, dtype code, shape, byte offset), from the safetensors headers only; each
+  header is checked against its file's size (ValueError, one line, for a file cut short or malformed)."""
   index = os.path.join(hf_dir, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      files = sorted({os.path.join(hf_dir, v) for v in json.load(f)["weight_map"].values()})
+    files = sorted({os.path.join(hf_dir, v) for v in _weight_map(index).values()})
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+      raise FileNotFoundError(f"{index} names {missing[0]}, which does not exist")
   else:
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
   if not files:
     raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
   where = {}
   for path in files:
-    with open(path, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(n))
+    header, start = read_header(path)
     for name, entry in header.items():
-      if name == "__metadata__":
-        continue
-      if entry["dtype"] not in READ_DTYPES:
-        raise ValueError(f"{name} has dtype {entry['dtype']}; supported: {', '.join(READ_DTYPES)}")
-      where[name] = (path, entry["dtype"], tuple(entry["shape"]), 8 + n + entry["data_offsets"][0])
+      where[name] = (path, entry["dtype"], tuple(entry["shape"]), start + entry["data_offsets"][0])
   return where
+
+
+def read_header(path: str) -> tuple[dict, int]:
+  """(tensor name -> entry, byte where the data starts) of a safetensors file; ValueError (one line)
+  unless every tensor's dtype, shape and byte range are valid and lie inside the file."""
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+    (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+    if n is None or n > size - 8:
+      raise ValueError(f"{path} is not a complete safetensors file ({size} bytes, header of {n} bytes)")
+    try:
+      header = json.loads(f.read(n))
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+      raise ValueError(f"{path}: the safetensors header is not JSON") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: the safetensors header is not a JSON object")
+  header.pop("__metadata__", None)
+  for name, entry in header.items():
+    _check_entry(path, name, entry, size - 8 - n)
+  return header, 8 + n
+
+
+def _check_entry(path: str, name: str, entry, data_bytes: int) -> None:
+  """ValueError unless a header entry has a readable dtype, a shape and a byte range of that many bytes
+  within the file's `data_bytes`."""
+  if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+    raise ValueError(f"{path}: tensor {name} has a malformed header entry")
+  if entry["dtype"] not in READ_DTYPES:
+    raise ValueError(f"{name} has dtype {entry['dtype']}; supported: {', '.join(READ_DTYPES)}")
+  shape, offsets = entry["shape"], entry["data_offsets"]
+  if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+          and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+    raise ValueError(f"{path}: tensor {name} has a malformed shape or data_offsets")
+  begin, end = offsets
+  nbytes = READ_DTYPES[entry["dtype"]].itemsize * int(np.prod(shape, dtype=np.int64))
+  if not 0 <= begin <= end or end - begin != nbytes:
+    raise ValueError(f"{path}: tensor {name} {shape} {entry['dtype']} needs {nbytes} bytes, its data_offsets "
+                     f"{offsets} hold {end - begin}")
+  if end > data_bytes:
+    raise ValueError(f"{path} is cut short: tensor {name} ends at data byte {end}, the file holds {data_bytes}")
+
+
+def _weight_map(index: str) -> dict:
+  """The weight_map of a model.safetensors.index.json; ValueError (one line) when it is malformed."""
+  try:
+    with open(index, "rb") as f:
+      weight_map = json.loads(f.read())["weight_map"]
+  except (ValueError, KeyError, TypeError):
+    raise ValueError(f"{index} is not a safetensors index (JSON with a weight_map)") from None
+  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    raise ValueError(f"{index}: weight_map is not an object of file names")
+  return weight_map
 
 
 def read_into(index: dict, name: str, out, half: int | None = None) -> None:

@@ -37,8 +37,14 @@ def sample_token(logits_BV, rng, temperature: float, top_k: int):
 
 def generate(model: Transformer, params, prompt_BP, rng, max_new_tokens: int, temperature: float, top_k: int,
              extra=None):
-  """Prompt [B, P] -> new tokens [B, max_new_tokens]. Pure; jit it with the sampling args static."""
+  """Prompt [B, P] -> new tokens [B, max_new_tokens]. Pure; jit it with the sampling args static.
+  ValueError when P + max_new_tokens exceeds max_seq_len (the cache's positions)."""
   b, p = prompt_BP.shape
+  if max_new_tokens < 1:
+    raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+  if p + max_new_tokens > model.cfg.max_seq_len:
+    raise ValueError(f"generate: prompt length {p} + max_new_tokens {max_new_tokens} = {p + max_new_tokens} "
+                     f"exceeds max_seq_len={model.cfg.max_seq_len}")
   logits_BPV, cache = decode_logits(model, params, init_cache(model, b), prompt_BP, 0, extra)
   first_B = sample_token(logits_BPV[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
 

@@ -8,7 +8,7 @@ import types
 
 from jaxtrain.train.lm import LanguageModel
 from jaxtrain.train.loop import train
-from jaxtrain.train.sample import sample
+from jaxtrain.train.sampling import sample
 from jaxtrain.train.state import TrainState, create_state
 from jaxtrain.train.step import make_train_step
 from jaxtrain.train.task import Task

@@ -70,9 +70,9 @@ def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, ste
 def init_params(path: str, like):
   """The params of another run or a converted model (newest step), placed like `like` (the fresh
   params: same tree, shapes and shardings); a mismatch is one ConfigError line."""
-  from jaxtrain.checkpoint import convert
+  from jaxtrain.checkpoint import pretrained
   try:
-    _, loaded = convert.load_params(path)
+    _, loaded = pretrained.load_params(path)
   except (FileNotFoundError, ValueError) as e:
     raise config_lib.ConfigError(f"checkpoint.init_from={path}: {e}") from e
   want = jax.tree_util.tree_flatten_with_path(like)[0]

@@ -3,6 +3,8 @@ against transformers' LlamaForCausalLM, logits to 1e-4."""
 
 import json
 import os
+import shutil
+import struct
 import tracemalloc
 import weakref
 
@@ -18,10 +20,10 @@ import orbax.checkpoint as ocp  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
-from jaxtrain.checkpoint import convert, hf  # noqa: E402
+from jaxtrain.checkpoint import convert, hf, pretrained  # noqa: E402
 from jaxtrain.train import loop, state as state_lib, workdir as workdir_lib  # noqa: E402
 from tests.fixtures import tiny_config  # noqa: E402
-from tests.checkpoint.test_hf import from_pretrained, hf_logits, hf_model  # noqa: E402
+from tests.checkpoint.test_hf import bpe_tokenizer_json, from_pretrained, hf_logits, hf_model  # noqa: E402
 
 torch.set_grad_enabled(False)
 TOKENS_BL = np.random.default_rng(0).integers(0, 128, (2, 24)).astype(np.int32)
@@ -40,7 +42,7 @@ def converted(tmp_path_factory):
   root = tmp_path_factory.mktemp("convert")
   model = hf_model(tie=False)
   model.save_pretrained(root / "hf", safe_serialization=True)
-  (root / "hf" / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+  bpe_tokenizer_json(root / "hf" / "tokenizer.json")
   assert cli.main(["convert", "--from_hf", str(root / "hf"), "--to", str(root / "wd")]) == 0
   return root, model
 
@@ -49,12 +51,12 @@ def test_import_gives_transformers_logits(converted):
   root, model = converted
   want = hf_logits(model, TOKENS_BL)
   for path in (root / "wd", root / "wd" / "checkpoints"):  # a workdir, a tier dir
-    cfg, params, apply_fn = hf.load_pretrained(str(path))
+    cfg, params, apply_fn = pretrained.load_pretrained(str(path))
     assert (cfg.rope_theta, cfg.tie_embeddings, cfg.n_kv_heads, cfg.head_dim) == (12345.0, False, 2, 16)
     assert np.abs(np.asarray(apply_fn(params, TOKENS_BL)) - want).max() < 1e-4
   saved = json.loads((root / "wd" / "config.json").read_text())
   assert saved["model"]["rope_theta"] == 12345.0 and saved["model"]["n_layers"] == 2
-  assert saved["data"]["tokenizer"] == str(root / "hf" / "tokenizer.json")
+  assert (saved["data"]["kind"], saved["data"]["tokenizer"]) == ("text", str(root / "wd" / "tokenizer.json"))
 
 
 def test_converted_state_restores_with_standard_restore_into_shardings(converted):
@@ -71,7 +73,8 @@ def test_converted_state_restores_with_standard_restore_into_shardings(converted
   got = mngr.restore(0, args=ocp.args.Composite(state=ocp.args.StandardRestore({"params": abstract})))["state"]
   meta = mngr.restore(0, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   assert meta["format"] == 1 and meta["config"]["model"]["d_ff"] == 96
-  assert meta["tokenizer"] == {"kind": "hf", "path": str(root / "hf" / "tokenizer.json")}
+  assert meta["tokenizer"] == json.loads((root / "wd" / "tokenizer_ref.json").read_text())
+  assert meta["tokenizer"]["spec"] == {"kind": "hf", "path": "tokenizer.json"}
   _, want = hf.import_hf(str(root / "hf"))
   q = got["params"]["layers"]["attn"]["q"]
   assert q.sharding == shardings["layers"]["attn"]["q"] and not q.sharding.is_fully_replicated
@@ -90,6 +93,7 @@ def test_export_loads_in_transformers(converted, capsys):
 
 def test_bfloat16_both_ways(converted, capsys, tmp_path):
   root, model = converted
+  os.makedirs(tmp_path / "wd")  # an empty --to is fine
   assert run(capsys, "convert", "--from_hf", root / "hf", "--to", tmp_path / "wd", "--dtype", "bfloat16")[0] == 0
   q_line = next(line for line in run(capsys, "inspect", tmp_path / "wd")[1].splitlines() if "attn/q " in line)
   assert q_line.split()[-1] == "bfloat16"
@@ -195,8 +199,9 @@ def test_bad_paths_exit_2_with_one_line(converted, capsys, tmp_path, argv):
 
 
 @pytest.mark.parametrize("where", ["4th leaf", "after finalize"])
-def test_interrupted_conversion_leaves_no_complete_step(converted, capsys, tmp_path, monkeypatch, where):
-  """Killed while saving leaves, or after Orbax finalized the staging step but before it was renamed."""
+def test_interrupted_conversion_leaves_no_workdir(converted, capsys, tmp_path, monkeypatch, where):
+  """Interrupted while saving leaves, or after Orbax finalized the staging step but before it was
+  renamed: neither --to nor its staging dir is left; a staging dir left by a killed one is replaced."""
   root, model = converted
   name, fails = {"4th leaf": ("save_leaf", lambda calls, args: len(calls) == 4),
                  "after finalize": ("_write_text", lambda calls, args: args[0].endswith("_CHECKPOINT_METADATA"))}[where]
@@ -211,15 +216,16 @@ def test_interrupted_conversion_leaves_no_complete_step(converted, capsys, tmp_p
   monkeypatch.setattr(convert, name, dies)
   with pytest.raises(KeyboardInterrupt):
     cli.main(["convert", "--from_hf", str(root / "hf"), "--to", str(tmp_path / "wd")])
-  tier = tmp_path / "wd" / "checkpoints"
-  assert convert.manager(str(tier)).all_steps() == [] and "0" not in os.listdir(tier)
-  rc, out, _ = run(capsys, "inspect", tmp_path / "wd")
-  assert rc == 0 and "temporary" in out and out.splitlines()[-1] == "no complete step"
-  with pytest.raises(ConfigError, match="no complete checkpoint"):
-    hf.load_pretrained(str(tmp_path / "wd"))
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(ConfigError, match="no such directory"):
+    pretrained.load_pretrained(str(tmp_path / "wd"))
   monkeypatch.setattr(convert, name, real)
+  killed = tmp_path / "wd.converting" / "checkpoints" / "0.orbax-checkpoint-tmp"  # as a SIGKILL leaves it
+  os.makedirs(killed)
+  (killed / "junk").write_text("half")
   assert run(capsys, "convert", "--from_hf", root / "hf", "--to", tmp_path / "wd")[0] == 0  # reruns cleanly
-  cfg, params, apply_fn = hf.load_pretrained(str(tmp_path / "wd"))
+  assert sorted(os.listdir(tmp_path)) == ["wd"] and sorted(os.listdir(tmp_path / "wd" / "checkpoints")) == ["0"]
+  cfg, params, apply_fn = pretrained.load_pretrained(str(tmp_path / "wd"))
   assert np.abs(np.asarray(apply_fn(params, TOKENS_BL)) - hf_logits(model, TOKENS_BL)).max() < 1e-4
 
 
@@ -227,8 +233,8 @@ def random_llama(path, n_layers=8, d=256, vocab=1024, seed=0):
   """A random HF Llama directory written with numpy: every leaf is [n_layers, 256, 256] (2 MiB)
   or smaller, the model ~8x that."""
   rng = np.random.default_rng(seed)
-  config = {"vocab_size": vocab, "hidden_size": d, "num_hidden_layers": n_layers, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "intermediate_size": d, "tie_word_embeddings": False}
+  config = {"model_type": "llama", "vocab_size": vocab, "hidden_size": d, "num_hidden_layers": n_layers,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": d, "tie_word_embeddings": False}
   tensors = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
   for i in range(n_layers):
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -277,3 +283,114 @@ def test_conversion_holds_one_leaf_at_a_time(tmp_path, monkeypatch):
   _, got = hf.import_hf(str(tmp_path / "out"))
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(a, b)
+
+
+def tree_snapshot(path) -> dict:
+  """{relative path: bytes, or None for a dir} of everything under path."""
+  out = {}
+  for d, dirs, files in os.walk(path):
+    for name in dirs:
+      out[os.path.relpath(os.path.join(d, name), path)] = None
+    for name in files:
+      with open(os.path.join(d, name), "rb") as f:
+        out[os.path.relpath(os.path.join(d, name), path)] = f.read()
+  return out
+
+
+def cut(path, keep):
+  """Truncates the file at `path` to `keep(size)` bytes."""
+  with open(path, "r+b") as f:
+    f.truncate(keep(os.path.getsize(path)))
+
+
+def set_header(path, edit):
+  """Rewrites a safetensors file's JSON header with edit(header) (same data bytes)."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header, data = json.loads(f.read(n)), f.read()
+  blob = json.dumps(edit(header)).encode()
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def shift_offsets(header):
+  name = next(k for k in header if k != "__metadata__")
+  header[name]["data_offsets"][1] -= 4
+  return header
+
+
+BREAKS = {  # what goes wrong in a HF dir: how to do it to a copy of one
+    "cut short": lambda d: cut(d / "model.safetensors", lambda size: size - 100),
+    "0-byte safetensors": lambda d: cut(d / "model.safetensors", lambda size: 0),
+    "4-byte safetensors": lambda d: cut(d / "model.safetensors", lambda size: 4),
+    "header past the end": lambda d: cut(d / "model.safetensors", lambda size: 200),
+    "header not JSON": lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 4) + b"{{{{" + bytes(64)),
+    "header a list": lambda d: set_header(d / "model.safetensors", lambda h: [h]),
+    "offsets disagree with shape": lambda d: set_header(d / "model.safetensors", shift_offsets),
+    "unknown dtype": lambda d: set_header(d / "model.safetensors", lambda h: {
+        k: {**v, "dtype": "I4"} if k != "__metadata__" else v for k, v in h.items()}),
+    "index names a missing shard": lambda d: (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})),
+    "index not JSON": lambda d: (d / "model.safetensors.index.json").write_text("{"),
+    "config.json a list": lambda d: (d / "config.json").write_text("[1, 2]"),
+    "config.json not JSON": lambda d: (d / "config.json").write_text("{'model_type': 'llama'"),
+    "config.json binary": lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00"),
+    "field of the wrong type": lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "num_hidden_layers": "2"})),
+}
+
+
+@pytest.mark.parametrize("broken", list(BREAKS))
+def test_broken_hf_dir_is_one_line_exit_2_and_writes_nothing(converted, capsys, tmp_path, broken):
+  root, _ = converted
+  shutil.copytree(root / "hf", tmp_path / "hf")
+  BREAKS[broken](tmp_path / "hf")
+  rc, out, err = run(capsys, "convert", "--from_hf", tmp_path / "hf", "--to", tmp_path / "wd")
+  assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # no --to, no staging dir beside it
+
+
+TARGETS = {  # a --to that convert must refuse, leaving it as it was
+    "non-JSON config.json in it": lambda t: (os.makedirs(t / "wd"), (t / "wd" / "config.json").write_text("{x")),
+    "another run's config.json in it": lambda t: (os.makedirs(t / "wd"), (t / "wd" / "config.json").write_text(
+        json.dumps(tiny_config().to_dict()))),
+    "a file in it": lambda t: (os.makedirs(t / "wd"), (t / "wd" / "notes.txt").write_text("mine")),
+    "a regular file": lambda t: (t / "wd").write_text("mine"),
+    "under a regular file": lambda t: (t / "file").write_text("mine"),
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_bad_target_is_one_line_exit_2_and_left_as_it_was(converted, capsys, tmp_path, target):
+  root, _ = converted
+  TARGETS[target](tmp_path)
+  before = tree_snapshot(tmp_path)
+  to = tmp_path / ("file/wd" if target == "under a regular file" else "wd")
+  rc, out, err = run(capsys, "convert", "--from_hf", root / "hf", "--to", to)
+  assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+  assert tree_snapshot(tmp_path) == before
+
+
+def test_inspect_workdir_without_config_json_lists_its_steps(trained, capsys, tmp_path):
+  """The config saved in the steps is the truth: WORKDIR/checkpoints is listed, and the fast tier its
+  newest step's config names."""
+  root, model, states = trained
+  shutil.copytree(root / "wd", tmp_path / "wd")
+  os.remove(tmp_path / "wd" / "config.json")
+  rc, out, err = run(capsys, "inspect", tmp_path / "wd")
+  assert rc == 0 and err == "", err
+  lines = out.splitlines()
+  assert f"tier persistent: {tmp_path / 'wd' / 'checkpoints'}" in lines and f"tier fast: {root / 'fast'}" in lines
+  for step in ("3", "5", "7"):
+    assert any(line.split()[0] == step and line.split()[-1] == "complete" for line in lines), out
+  assert f"step 7 in {root / 'fast'}" in out and "d_model=32" in out
+  _, params, apply_fn = pretrained.load_pretrained(str(tmp_path / "wd"))
+  tokens_BL = TOKENS_BL % 64
+  np.testing.assert_allclose(apply_fn(params, tokens_BL), model.apply({"params": states[7]}, tokens_BL), atol=1e-6)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_inspect_workdir_with_broken_config_json_is_one_line(capsys, tmp_path, text):
+  (tmp_path / "config.json").write_text(text)
+  rc, out, err = run(capsys, "inspect", tmp_path)
+  assert rc == 2 and out == "" and err.count("\n") == 1 and "config.json" in err, err

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import orbax.checkpoint as ocp  # noqa: E402
 
 from jaxtrain import __main__ as cli  # noqa: E402
-from jaxtrain.checkpoint import convert, hf  # noqa: E402
+from jaxtrain.checkpoint import convert, hf, pretrained  # noqa: E402
 from jaxtrain.checkpoint import safetensors_io  # noqa: E402
 from jaxtrain.checkpoint.safetensors_io import tensor_index  # noqa: E402
 from tests.fixtures import tiny_config  # noqa: E402
@@ -97,7 +97,7 @@ def test_convert_from_hf_gives_transformers_logits(converted):
   assert len(saved) == N_LEAVES and (("layers", "moe", "gate"), (2, 4, 64, 48)) in saved  # one leaf each
   want = hf_logits(model, TOKENS_BL)
   for path in (root / "wd", root / "hf", root / "fused"):
-    cfg, params, apply_fn = hf.load_pretrained(str(path))
+    cfg, params, apply_fn = pretrained.load_pretrained(str(path))
     assert (cfg.n_experts, cfg.top_k, cfg.d_ff_expert, cfg.router, cfg.renormalize, cfg.dispatch) == \
         (4, 2, 48, "softmax", True, "dropless")
     assert (cfg.rope_theta, cfg.tie_embeddings, cfg.n_kv_heads, cfg.norm_eps) == (12345.0, False, 2, 1e-5)
