@@ -28,11 +28,11 @@ would transpose them to scatter-adds). Expert matmuls are dense batched [E, M, D
 the same over tiles of one expert's rows with each tile's weights gathered (dropless "tiles", the
 block-sparse form of MegaBlocks in plain XLA; the default off TPU). jax.lax.ragged_dot is the other
 dropless grouped matmul ("ragged_dot", the default on TPU, which lowers it natively): XLA:CPU lowers
-it to a dense masked matmul over all groups (E x the FLOPs of the real rows), and on an H200 (jax
-0.11.2) the fine-grained step with it took 2.5x as long as with tiles. Tiles pay for gathering
-T x 3 x D x F weights: at D 1024, F 2048 that dominates (dropless 2.4x the capacity step on the
-H200), and larger tiles for large D x F are the next lever there.
-benchmarks/moe.py measures them side by side.
+it to a dense masked matmul over all groups (E x the FLOPs of the real rows), and on an H200 too the
+fine-grained step with it is slower than with tiles. Tiles pay for gathering T x 3 x D x F weights:
+when D x F is large that dominates (dropless then costs a multiple of the capacity step on an H200),
+and larger tiles for large D x F are the next lever there. benchmarks/moe.py measures them side by
+side; the figures are in benchmarks/RESULTS.md ("MoE dispatch for fine-grained experts").
 
 Shape letters: see jaxtrain/model/axes.py.
 """
@@ -154,7 +154,7 @@ def _capacity(x_RLD, experts_RLk, gates_RLk, valid_RL, weights, cfg, exchange):
   local = weights[0].shape[0]  # E / X experts on this shard
   x_XEMD = exchange(buf_QD.reshape(-1, local, r * s.capacity, d), 0)
   n_shards = x_XEMD.shape[0]
-  # one [E, M, D] batched matmul: XLA:CPU ran the same einsum over [X, E, R, C, D] 1.6x slower
+  # one [E, M, D] batched matmul: XLA:CPU ran the same einsum over [X, E, R, C, D] slower (benchmarks/RESULTS.md)
   x_EMD = jnp.swapaxes(x_XEMD, 0, 1).reshape(local, n_shards * r * s.capacity, d)
   out_EMD = _expert_swiglu(x_EMD, *weights)
   out_XEMD = jnp.swapaxes(out_EMD.reshape(local, n_shards, r * s.capacity, d), 0, 1)
@@ -176,7 +176,7 @@ def _dispatch_dropless(x_ND, experts_Nk, gates_Nk, weights, cfg, exchange, n_sha
   flat = lambda t: t.reshape((n_shards * n,) + t.shape[2:])
   max_rows = n_shards * n * min(cfg.top_k, local)
   how = cfg.grouped_matmul
-  if how == "auto":  # measured: tiles faster on CPU and on an H200 (benchmarks/RESULTS.md)
+  if how == "auto":  # tiles off TPU: faster on CPU and on an H200, see benchmarks/RESULTS.md
     how = "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
   y_MD = _dropless(flat(x_XND), flat(ids_XNk), flat(gates_XNk), weights, local, max_rows, how)
   y_XND = exchange(y_MD.astype(x_ND.dtype).reshape(n_shards, n, d), 0)
