@@ -1,8 +1,8 @@
 """A small Mixture-of-Experts decoder (8 experts, top-2) that learns the synthetic copy language on
 2 CPU cores; the dense `tiny` with d_ff = 2 x 192 has the same active parameters.
 
-Capacity dispatch (factor 1.5), the faster one on this CPU; dropless (`--config.model.dispatch=dropless`,
-tiled grouped matmul) took 1.19x its step here, and 1.28x for `:fine` (benchmarks/RESULTS.md).
+Capacity dispatch (factor 1.5): on CPU its step is faster than dropless (`--config.model.dispatch=dropless`,
+tiled grouped matmul), coarse and `:fine` alike (benchmarks/RESULTS.md, "MoE dispatch for fine-grained experts").
 
 `moe_tiny:fine` is the fine-grained variant at the same active size: 32 experts of a quarter the
 width, top-8 (benchmarks/moe.py compares the three)."""

@@ -1,6 +1,8 @@
-"""The default: a 2-layer model that learns the synthetic copy language on 2 CPU cores in ~2 minutes.
+"""The default: a 2-layer model small enough to learn the synthetic copy language on a 2-core CPU
+(its run time: benchmarks/RESULTS.md).
 
-The language's exact entropy floor is logged as `entropy_floor`; tiny gets within 5% of it."""
+The language's exact entropy floor is logged as `entropy_floor`; tiny gets within 5% of it
+(tests/train/test_loop.py::test_tiny_reaches_entropy_floor)."""
 
 from jaxtrain.config import default_config
 

@@ -3,7 +3,7 @@
 A document is BOS x_1..x_n SEP x_1..x_n EOS: a random half of n distinct symbols, then its copy.
 The half is unpredictable and the copy is determined by it, so a model that copies perfectly
 reaches `expected_entropy_floor()` nats per token, and no model can go below it.
-Shape letters: R rows, T = seq_len + 1 tokens of a row, N documents of a row, M max_symbols.
+Shape letters: see jaxtrain/model/axes.py (rows here are seq_len + 1 tokens long).
 """
 
 import math
@@ -16,7 +16,7 @@ SPLITS = ("train", "eval")
 
 
 def half_entropy(symbols: int, stop_prob: float, max_symbols: int) -> np.ndarray:
-  """[M+1] entropy (nats) of the token after BOS and k = 0..M symbols of the random half."""
+  """[Y+1] entropy (nats) of the token after BOS and 0..Y symbols of the random half."""
   p = stop_prob
   binary = -p * math.log(p) - (1 - p) * math.log1p(-p)
   h = np.empty(max_symbols + 1)
@@ -87,10 +87,10 @@ class SyntheticLanguage:
     if not 0 <= lo <= hi:
       raise ValueError(f"need 0 <= lo <= hi, got lo={lo}, hi={hi}")
     draws = [self._draw(index, r) for r in range(lo, hi)]
-    ns_RN = np.array([d[0] for d in draws], np.int64).reshape(hi - lo, self._max_docs)
-    halves_RNM = np.array([d[1] for d in draws], np.int32)
-    halves_RNM = halves_RNM.reshape(ns_RN.shape + (self.max_symbols,))
-    tokens, doc, pos, entropy = self._assemble(ns_RN, halves_RNM)
+    ns_RW = np.array([d[0] for d in draws], np.int64).reshape(hi - lo, self._max_docs)
+    halves_RWY = np.array([d[1] for d in draws], np.int32)
+    halves_RWY = halves_RWY.reshape(ns_RW.shape + (self.max_symbols,))
+    tokens, doc, pos, entropy = self._assemble(ns_RW, halves_RWY)
     batch = {
         "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
         "segment_ids": doc[:, :-1] + 1, "positions": pos[:, :-1],
@@ -100,7 +100,7 @@ class SyntheticLanguage:
     return {k: np.ascontiguousarray(v) for k, v in batch.items()}
 
   def _draw(self, index, row):
-    """Half lengths [N] and symbols [N, M] of a row's documents, from (seed, split, index, row)."""
+    """Half lengths [W] and symbols [W, Y] of a row's documents, from (seed, split, index, row)."""
     rng = np.random.default_rng(np.random.SeedSequence([self.seed, self._split_id, index, row]))
     ns = np.minimum(rng.geometric(self.stop_prob, self._max_docs), self.max_symbols)
     count = int(np.searchsorted(np.cumsum(2 * ns + 3), self.seq_len + 1)) + 1  # documents that fit
@@ -109,27 +109,27 @@ class SyntheticLanguage:
     halves[:count] = rng.permuted(alphabet, axis=1)[:, :self.max_symbols]  # without replacement
     return ns, halves + FIRST_SYMBOL
 
-  def _assemble(self, ns_RN, halves_RNM):
-    """Rows of seq_len+1 tokens [R, T] with document index, position in it and entropy."""
-    lengths_RN = 2 * ns_RN + 3
-    ends_RN = np.cumsum(lengths_RN, axis=1)
-    t_T = np.arange(self.seq_len + 1)
-    doc_RT = (t_T[None, None, :] >= ends_RN[:, :, None]).sum(axis=1)
-    pos_RT = t_T - np.take_along_axis(ends_RN - lengths_RN, doc_RT, axis=1)
-    n_RT = np.take_along_axis(ns_RN, doc_RT, axis=1)
-    slot_RT = np.where(pos_RT <= n_RT, pos_RT - 1, pos_RT - n_RT - 2).clip(0, self.max_symbols - 1)
-    symbol_RT = halves_RNM[np.arange(len(ns_RN))[:, None], doc_RT, slot_RT]
-    tokens_RT = np.where(pos_RT == 0, BOS, np.where(pos_RT == n_RT + 1, SEP, symbol_RT))
-    tokens_RT = np.where(pos_RT == 2 * n_RT + 2, EOS, tokens_RT).astype(np.int32)
-    in_half = (pos_RT >= 1) & (pos_RT <= n_RT + 1)  # the half's symbols and SEP carry entropy
-    entropy_RT = np.where(in_half, self._half_h[(pos_RT - 1).clip(0, self.max_symbols)], 0.0)
-    return tokens_RT, doc_RT.astype(np.int32), pos_RT.astype(np.int32), entropy_RT
+  def _assemble(self, ns_RW, halves_RWY):
+    """Rows of seq_len+1 tokens [R, L] with document index, position in it and entropy."""
+    lengths_RW = 2 * ns_RW + 3
+    ends_RW = np.cumsum(lengths_RW, axis=1)
+    t_L = np.arange(self.seq_len + 1)
+    doc_RL = (t_L[None, None, :] >= ends_RW[:, :, None]).sum(axis=1)
+    pos_RL = t_L - np.take_along_axis(ends_RW - lengths_RW, doc_RL, axis=1)
+    n_RL = np.take_along_axis(ns_RW, doc_RL, axis=1)
+    slot_RL = np.where(pos_RL <= n_RL, pos_RL - 1, pos_RL - n_RL - 2).clip(0, self.max_symbols - 1)
+    symbol_RL = halves_RWY[np.arange(len(ns_RW))[:, None], doc_RL, slot_RL]
+    tokens_RL = np.where(pos_RL == 0, BOS, np.where(pos_RL == n_RL + 1, SEP, symbol_RL))
+    tokens_RL = np.where(pos_RL == 2 * n_RL + 2, EOS, tokens_RL).astype(np.int32)
+    in_half = (pos_RL >= 1) & (pos_RL <= n_RL + 1)  # the half's symbols and SEP carry entropy
+    entropy_RL = np.where(in_half, self._half_h[(pos_RL - 1).clip(0, self.max_symbols)], 0.0)
+    return tokens_RL, doc_RL.astype(np.int32), pos_RL.astype(np.int32), entropy_RL
 
   def expected_entropy_floor(self) -> float:
     """E[sum entropy*mask] / E[sum mask] per row, exact, by a dynamic program over document phase.
 
-    States: 0 BOS emitted; k = 1..M after k half symbols; M+1+r while r copies remain (SEP or
-    copies emitted); 2M+2 EOS emitted. Each row starts in state 0 and makes seq_len moves.
+    States: 0 BOS emitted; k = 1..Y after k half symbols; Y+1+r while r copies remain (SEP or
+    copies emitted); 2Y+2 EOS emitted. Each row starts in state 0 and makes seq_len moves.
     """
     m, p = self.max_symbols, self.stop_prob
     half_h = self._half_h

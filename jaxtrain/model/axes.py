@@ -1,8 +1,20 @@
 """Logical axis names, the one vocabulary shared by every parameter and key activation.
 
-Shape letters used in variable names and einsum strings:
-  B batch, L length (query), S length (key/value), D embed, H heads, G kv heads, R heads per kv head,
-  K head dim, F mlp, V vocab, E experts, C capacity, N layers.
+Shape letters, the suffixes of array names (`x_BLD`) and the letters of einsum strings ("BLD,DF->BLF"),
+one meaning each across all of jaxtrain:
+  A assignments: k * N (token, choice) pairs   N tokens
+  B batch                                      P tile rows: T * tile
+  C capacity slots per expert and row          Q capacity buffer slots: E * R * C
+  D embed                                      R rows (sequences) taken one by one: capacity groups, data rows
+  E experts                                    S length, key/value side
+  F mlp                                        T tiles of the dropless grouped matmul
+  G kv heads                                   U rotary frequencies: K / 2
+  H heads                                      V vocab
+  I rows a gather reads                        W documents of a row (synthetic data)
+  J gather entries per row (k, or 1)           X expert shards (the expert mesh axis)
+  K head dim                                   Y symbols of a document's random half (synthetic data)
+  L length, query side; a row's tokens         Z layers
+  M rows of a grouped matmul or gather output  k routing choices per token (top-k); 1 an axis of size one
 Only `jaxtrain/parallel` maps these names to mesh axes.
 """
 

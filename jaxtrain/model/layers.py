@@ -30,8 +30,8 @@ def rope(x_BLHK, positions_BL, theta: float):
   """Rotary position embedding (Su et al., 2021), in the half-split layout of HF Llama."""
   k = x_BLHK.shape[-1]
   inv_freq = 1.0 / theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k)
-  angle_BLk = positions_BL[..., None].astype(jnp.float32) * inv_freq
-  sin, cos = jnp.sin(angle_BLk)[:, :, None, :], jnp.cos(angle_BLk)[:, :, None, :]
+  angle_BLU = positions_BL[..., None].astype(jnp.float32) * inv_freq
+  sin, cos = jnp.sin(angle_BLU)[:, :, None, :], jnp.cos(angle_BLU)[:, :, None, :]
   x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BLHK.dtype)

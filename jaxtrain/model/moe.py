@@ -19,8 +19,8 @@ exchanges tokens with all_to_all over that axis:
   capacity: the expert-major [E, R, C, D] buffers; each shard gets [X, E/X, R * C, D].
   dropless: every token once to every shard (deduplicated: one row per token and shard however many of
     its k experts live there) with its local expert ids and gates, then the grouped matmul on what
-    arrived and the gated sums sent back and added up at the source. The buffer is the worst case, X * S
-    rows for S local tokens (X / k times the k * S assignment rows; it equals an all-gather of the
+    arrived and the gated sums sent back and added up at the source. The buffer is the worst case, X * N
+    rows for N local tokens (X / k times the k * N assignment rows; it equals an all-gather of the
     tokens), because XLA:CPU does not implement ragged-all-to-all ("HLO opcode `ragged-all-to-all` is
     not supported by XLA:CPU ThunkEmitter", jax 0.10.2).
 Speed. Dispatch and combine are row gathers whose transposes are gathers too (moe_layout.py; XLA
@@ -28,15 +28,13 @@ would transpose them to scatter-adds). Expert matmuls are dense batched [E, M, D
 the same over tiles of one expert's rows with each tile's weights gathered (dropless "tiles", the
 block-sparse form of MegaBlocks in plain XLA; the default off TPU). jax.lax.ragged_dot is the other
 dropless grouped matmul ("ragged_dot", the default on TPU, which lowers it natively): XLA:CPU lowers
-it to a dense masked matmul over all groups (E x the FLOPs of the real rows), and on an H200 (jax
-0.11.2) the fine-grained step with it took 2.5x as long as with tiles. Tiles pay for gathering
-T x 3 x D x F weights: at D 1024, F 2048 that dominates (dropless 2.4x the capacity step on the
-H200), and larger tiles for large D x F are the next lever there.
-benchmarks/moe.py measures them side by side.
+it to a dense masked matmul over all groups (E x the FLOPs of the real rows), and on an H200 too the
+fine-grained step with it is slower than with tiles. Tiles pay for gathering T x 3 x D x F weights:
+when D x F is large that dominates (dropless then costs a multiple of the capacity step on an H200),
+and larger tiles for large D x F are the next lever there. benchmarks/moe.py measures them side by
+side; the figures are in benchmarks/RESULTS.md ("MoE dispatch for fine-grained experts").
 
-Extra shape letters here: k routing choices, A = k * S assignments of S tokens, M grouped-matmul rows,
-R rows (sequences), C capacity slots per expert and row, Q = E * R * C buffer slots, X expert shards,
-T tiles of P = T * tile rows, N tokens of R rows.
+Shape letters: see jaxtrain/model/axes.py.
 """
 
 import dataclasses
@@ -55,37 +53,37 @@ from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe_layout import capacity_slots, combine, sort_by_expert, take, tile_layout, tile_size
 
 
-def route(logits_SE, bias_E, cfg):
+def route(logits_NE, bias_E, cfg):
   """Top-k routing shared by both dispatch modes -> (experts [..., k] int32, gates [..., k], probs [..., E]).
 
   Selection uses scores + bias (the bias never reaches the gates, DeepSeek-V3); gates are the scores
   of the selected experts, renormalized to sum 1 if cfg.renormalize, times cfg.route_scale. `probs` is
   the token's normalized routing distribution (softmax, or sigmoid scores divided by their sum).
   """
-  logits_SE = logits_SE.astype(jnp.float32)
+  logits_NE = logits_NE.astype(jnp.float32)
   if cfg.router == "softmax":
-    scores_SE = probs_SE = jax.nn.softmax(logits_SE, axis=-1)
+    scores_NE = probs_NE = jax.nn.softmax(logits_NE, axis=-1)
   elif cfg.router == "sigmoid":
-    scores_SE = jax.nn.sigmoid(logits_SE)
-    probs_SE = scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
+    scores_NE = jax.nn.sigmoid(logits_NE)
+    probs_NE = scores_NE / jnp.sum(scores_NE, axis=-1, keepdims=True)
   else:
     raise ValueError(f"unknown router {cfg.router!r}")
-  _, experts_Sk = jax.lax.top_k(jax.lax.stop_gradient(scores_SE + bias_E), cfg.top_k)
-  gates_Sk = jnp.take_along_axis(scores_SE, experts_Sk, axis=-1)
+  _, experts_Nk = jax.lax.top_k(jax.lax.stop_gradient(scores_NE + bias_E), cfg.top_k)
+  gates_Nk = jnp.take_along_axis(scores_NE, experts_Nk, axis=-1)
   if cfg.renormalize:
-    gates_Sk = gates_Sk / jnp.sum(gates_Sk, axis=-1, keepdims=True)
-  return experts_Sk, gates_Sk * cfg.route_scale, probs_SE
+    gates_Nk = gates_Nk / jnp.sum(gates_Nk, axis=-1, keepdims=True)
+  return experts_Nk, gates_Nk * cfg.route_scale, probs_NE
 
 
-def _stat_sums(logits_SE, experts_Sk, probs_SE, valid_S, n_experts):
+def _stat_sums(logits_NE, experts_Nk, probs_NE, valid_N, n_experts):
   """Sums over this shard's valid tokens; psum them across shards, then `_finish_stats`."""
-  lead = tuple(range(valid_S.ndim))
-  total = lambda t: jnp.sum(jnp.where(valid_S.reshape(valid_S.shape + (1,) * (t.ndim - valid_S.ndim)), t, 0),
+  lead = tuple(range(valid_N.ndim))
+  total = lambda t: jnp.sum(jnp.where(valid_N.reshape(valid_N.shape + (1,) * (t.ndim - valid_N.ndim)), t, 0),
                             axis=lead)
-  entropy_S = jnp.sum(jax.scipy.special.entr(jax.lax.stop_gradient(probs_SE)), axis=-1)
-  counts_SE = jnp.sum(jax.nn.one_hot(experts_Sk, n_experts, dtype=jnp.float32), axis=-2)
-  return dict(tokens=jnp.sum(valid_S.astype(jnp.float32)), counts=total(counts_SE), prob_sum=total(probs_SE),
-              z=total(jax.nn.logsumexp(logits_SE, axis=-1) ** 2), entropy=total(entropy_S),
+  entropy_N = jnp.sum(jax.scipy.special.entr(jax.lax.stop_gradient(probs_NE)), axis=-1)
+  counts_NE = jnp.sum(jax.nn.one_hot(experts_Nk, n_experts, dtype=jnp.float32), axis=-2)
+  return dict(tokens=jnp.sum(valid_N.astype(jnp.float32)), counts=total(counts_NE), prob_sum=total(probs_NE),
+              z=total(jax.nn.logsumexp(logits_NE, axis=-1) ** 2), entropy=total(entropy_N),
               dropped=jnp.zeros((), jnp.float32))
 
 
@@ -111,7 +109,7 @@ def _expert_swiglu(x_EMD, w_gate_EDF, w_up_EDF, w_down_EFD):
   return jnp.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD)
 
 
-def _dropless(x_SD, experts_Sk, gates_Sk, weights, n_experts, max_rows, grouped_matmul):
+def _dropless(x_ND, experts_Nk, gates_Nk, weights, n_experts, max_rows, grouped_matmul):
   """Sum over k of gate * expert(x) for each token; ids >= n_experts contribute nothing.
 
   Assignments (a = token * k + j) are sorted by expert (MegaBlocks); `max_rows` bounds the real ones.
@@ -120,24 +118,24 @@ def _dropless(x_SD, experts_Sk, gates_Sk, weights, n_experts, max_rows, grouped_
   plain XLA); "ragged_dot": the first max_rows sorted rows through jax.lax.ragged_dot (native on
   TPU; XLA:CPU runs it as a dense matmul over every group). Gathers both ways go through `take`.
   """
-  s, d = x_SD.shape
-  k = experts_Sk.shape[1]
-  experts_A = experts_Sk.reshape(-1)
+  n, d = x_ND.shape
+  k = experts_Nk.shape[1]
+  experts_A = experts_Nk.reshape(-1)
   real_A = experts_A < n_experts
-  per_token = lambda t: t.reshape(s, k)
+  per_token = lambda t: t.reshape(n, k)
   if grouped_matmul == "tiles":
     t = tile_layout(experts_A, n_experts, max_rows, tile_size(max_rows, n_experts))
-    x_PD = take(x_SD, (t.source_P // k)[:, None], t.filled_P[:, None], per_token(t.row_A), per_token(real_A))
+    x_PD = take(x_ND, (t.source_P // k)[:, None], t.filled_P[:, None], per_token(t.row_A), per_token(real_A))
     weights_T = tuple(jnp.take(w, t.expert_T, axis=0) for w in weights)
     out_PD = _expert_swiglu(x_PD.reshape(-1, t.tile, d), *weights_T).reshape(-1, d)
-    return combine(out_PD, gates_Sk, per_token(t.row_A), per_token(real_A), t.source_P, t.filled_P)
+    return combine(out_PD, gates_Nk, per_token(t.row_A), per_token(real_A), t.source_P, t.filled_P)
   if grouped_matmul == "ragged_dot":
     order_A, inverse_A, sizes_E, _ = (t[0] for t in sort_by_expert(experts_A[None], n_experts))
     filled_M = jnp.arange(max_rows) < jnp.sum(sizes_E)  # rows past the groups are undefined in ragged_dot
     order_M = order_A[:max_rows]
-    x_MD = take(x_SD, (order_M // k)[:, None], filled_M[:, None], per_token(inverse_A), per_token(real_A))
+    x_MD = take(x_ND, (order_M // k)[:, None], filled_M[:, None], per_token(inverse_A), per_token(real_A))
     out_MD = _grouped_swiglu(x_MD, sizes_E, *weights)
-    return combine(out_MD, gates_Sk, per_token(inverse_A), per_token(real_A), order_M, filled_M)
+    return combine(out_MD, gates_Nk, per_token(inverse_A), per_token(real_A), order_M, filled_M)
   raise ValueError(f"unknown grouped_matmul {grouped_matmul!r}")
 
 
@@ -156,7 +154,7 @@ def _capacity(x_RLD, experts_RLk, gates_RLk, valid_RL, weights, cfg, exchange):
   local = weights[0].shape[0]  # E / X experts on this shard
   x_XEMD = exchange(buf_QD.reshape(-1, local, r * s.capacity, d), 0)
   n_shards = x_XEMD.shape[0]
-  # one [E, M, D] batched matmul: XLA:CPU ran the same einsum over [X, E, R, C, D] 1.6x slower
+  # one [E, M, D] batched matmul: XLA:CPU ran the same einsum over [X, E, R, C, D] slower (benchmarks/RESULTS.md)
   x_EMD = jnp.swapaxes(x_XEMD, 0, 1).reshape(local, n_shards * r * s.capacity, d)
   out_EMD = _expert_swiglu(x_EMD, *weights)
   out_XEMD = jnp.swapaxes(out_EMD.reshape(local, n_shards, r * s.capacity, d), 0, 1)
@@ -167,22 +165,22 @@ def _capacity(x_RLD, experts_RLk, gates_RLk, valid_RL, weights, cfg, exchange):
   return y_ND.reshape(r, l, d), dropped.astype(jnp.float32)
 
 
-def _dispatch_dropless(x_SD, experts_Sk, gates_Sk, weights, cfg, exchange, n_shards):
+def _dispatch_dropless(x_ND, experts_Nk, gates_Nk, weights, cfg, exchange, n_shards):
   """Dropless over X expert shards: every token goes once to every shard (worst case, see MoeMlp)."""
-  s, d = x_SD.shape
+  n, d = x_ND.shape
   local = cfg.n_experts // n_shards
   shard_X11 = jnp.arange(n_shards)[:, None, None]
-  ids_XSk = jnp.where(experts_Sk // local == shard_X11, experts_Sk % local, local)
+  ids_XNk = jnp.where(experts_Nk // local == shard_X11, experts_Nk % local, local)
   spread = lambda t: jnp.broadcast_to(t, (n_shards,) + t.shape)
-  x_XSD, ids_XSk, gates_XSk = (exchange(t, 0) for t in (spread(x_SD), ids_XSk, spread(gates_Sk)))
-  flat = lambda t: t.reshape((n_shards * s,) + t.shape[2:])
-  max_rows = n_shards * s * min(cfg.top_k, local)
+  x_XND, ids_XNk, gates_XNk = (exchange(t, 0) for t in (spread(x_ND), ids_XNk, spread(gates_Nk)))
+  flat = lambda t: t.reshape((n_shards * n,) + t.shape[2:])
+  max_rows = n_shards * n * min(cfg.top_k, local)
   how = cfg.grouped_matmul
-  if how == "auto":  # measured: tiles faster on CPU and on an H200 (benchmarks/RESULTS.md)
+  if how == "auto":  # tiles off TPU: faster on CPU and on an H200, see benchmarks/RESULTS.md
     how = "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
-  y_MD = _dropless(flat(x_XSD), flat(ids_XSk), flat(gates_XSk), weights, local, max_rows, how)
-  y_XSD = exchange(y_MD.astype(x_SD.dtype).reshape(n_shards, s, d), 0)
-  return jnp.sum(y_XSD.astype(jnp.float32), axis=0)
+  y_MD = _dropless(flat(x_XND), flat(ids_XNk), flat(gates_XNk), weights, local, max_rows, how)
+  y_XND = exchange(y_MD.astype(x_ND.dtype).reshape(n_shards, n, d), 0)
+  return jnp.sum(y_XND.astype(jnp.float32), axis=0)
 
 
 def _moe(x_BLD, valid_BL, router_DE, bias_E, weights, cfg, expert_axis, n_shards, manual_axes):

@@ -7,7 +7,7 @@ such a map with a custom VJP whose transpose is the inverse gather: XLA transpos
 scatter-add, which runs serially on CPU and with atomics on GPU, and cannot know that the indices
 are unique. `combine` gathers each token's k expert outputs back and sums them with the gates.
 
-Shape letters as in moe.py.
+Shape letters: see jaxtrain/model/axes.py.
 """
 
 import functools
@@ -18,20 +18,20 @@ import jax
 import jax.numpy as jnp
 
 
-def sort_by_expert(experts_GA, n_groups):
-  """Stable sort of each group's assignments by expert id (id n_groups = not here, sorts last).
+def sort_by_expert(experts_RA, n_experts):
+  """Stable sort of each row's assignments by expert id (id n_experts = not here, sorts last).
 
-  -> order_GA (sorted position -> assignment), inverse_GA (assignment -> sorted position),
-  sizes_GE (assignments per expert, int32), rank_GA (position of an assignment within its expert).
+  -> order_RA (sorted position -> assignment), inverse_RA (assignment -> sorted position),
+  sizes_RE (assignments per expert, int32), rank_RA (position of an assignment within its expert).
   """
-  order_GA = jnp.argsort(experts_GA, axis=-1, stable=True)
-  iota_A = jnp.arange(experts_GA.shape[-1], dtype=jnp.int32)
+  order_RA = jnp.argsort(experts_RA, axis=-1, stable=True)
+  iota_A = jnp.arange(experts_RA.shape[-1], dtype=jnp.int32)
   scatter = jax.vmap(lambda dest, value: jnp.zeros_like(value).at[dest].set(value))
-  inverse_GA = scatter(order_GA, jnp.broadcast_to(iota_A, order_GA.shape))
-  sizes_GE = jax.vmap(lambda e: jnp.bincount(e, length=n_groups + 1))(experts_GA).astype(jnp.int32)
-  starts_GE = jnp.cumsum(sizes_GE, axis=-1) - sizes_GE
-  rank_GA = inverse_GA - jnp.take_along_axis(starts_GE, experts_GA, axis=-1)
-  return order_GA, inverse_GA, sizes_GE[:, :n_groups], rank_GA
+  inverse_RA = scatter(order_RA, jnp.broadcast_to(iota_A, order_RA.shape))
+  sizes_RE = jax.vmap(lambda e: jnp.bincount(e, length=n_experts + 1))(experts_RA).astype(jnp.int32)
+  starts_RE = jnp.cumsum(sizes_RE, axis=-1) - sizes_RE
+  rank_RA = inverse_RA - jnp.take_along_axis(starts_RE, experts_RA, axis=-1)
+  return order_RA, inverse_RA, sizes_RE[:, :n_experts], rank_RA
 
 
 class Tiles(NamedTuple):
@@ -85,8 +85,8 @@ class Slots(NamedTuple):
 def capacity_slots(experts_RLk, valid_RL, n_experts, capacity_factor) -> Slots:
   """Buffer slot of every assignment under the capacity rule.
 
-  A group is one row (sequence) of L tokens. Its capacity is C_row = ceil(capacity_factor * T * k / E)
-  with T the row's valid tokens (computed in float32); buffers hold C = ceil(capacity_factor * L * k / E)
+  A group is one row (sequence) of L tokens. Its capacity is C_row = ceil(capacity_factor * n * k / E)
+  with n the row's valid tokens (computed in float32); buffers hold C = ceil(capacity_factor * L * k / E)
   >= C_row slots per expert. Priority (GShard/Switch): every first choice before any second choice,
   and so on; within one choice, tokens in order. An expert keeps its first C_row assignments and drops
   the rest. Both directions of the map come from one stable sort by expert, so that dispatch and
@@ -111,32 +111,32 @@ def capacity_slots(experts_RLk, valid_RL, n_experts, capacity_factor) -> Slots:
   return Slots(keep_RA, slot_RA, jnp.where(filled_ERC, source_ERC, 0).reshape(-1), filled_ERC.reshape(-1), c)
 
 
-def gather_sum(src_ND, index_MK, mask_MK):
-  """out[m] = sum over K of src[index[m, K]] where mask[m, K] -> [M, D]."""
-  rows = [jnp.where(mask_MK[:, j, None], jnp.take(src_ND, index_MK[:, j], axis=0, mode="clip"),
-                    jnp.zeros((), src_ND.dtype)) for j in range(index_MK.shape[1])]
+def gather_sum(src_ID, index_MJ, mask_MJ):
+  """out[m] = sum over J of src[index[m, J]] where mask[m, J] -> [M, D]."""
+  rows = [jnp.where(mask_MJ[:, j, None], jnp.take(src_ID, index_MJ[:, j], axis=0, mode="clip"),
+                    jnp.zeros((), src_ID.dtype)) for j in range(index_MJ.shape[1])]
   if len(rows) == 1:
     return rows[0]
-  # K gathers added elementwise: XLA:CPU ran the [M, K, D] gather reduced over K several times slower
-  return functools.reduce(jnp.add, [row.astype(jnp.float32) for row in rows]).astype(src_ND.dtype)
+  # J gathers added elementwise: XLA:CPU ran one [M, J, D] gather reduced over J slower (benchmarks/RESULTS.md)
+  return functools.reduce(jnp.add, [row.astype(jnp.float32) for row in rows]).astype(src_ID.dtype)
 
 
 @jax.custom_vjp
-def take(src_ND, index_MK, mask_MK, inverse_NK, inverse_mask_NK):
+def take(src_ID, index_MJ, mask_MJ, inverse_IJ, inverse_mask_IJ):
   """`gather_sum` for a partial one-to-one map between the (m, j) pairs and src rows, whose inverse
-  lists for each src row n the flat pairs m * K + j reading it: the transpose is then a gather the
+  lists for each src row i the flat pairs m * J + j reading it: the transpose is then a gather the
   other way."""
-  return gather_sum(src_ND, index_MK, mask_MK)
+  return gather_sum(src_ID, index_MJ, mask_MJ)
 
 
-def _take_fwd(src_ND, index_MK, mask_MK, inverse_NK, inverse_mask_NK):
-  return gather_sum(src_ND, index_MK, mask_MK), (index_MK, mask_MK, inverse_NK, inverse_mask_NK)
+def _take_fwd(src_ID, index_MJ, mask_MJ, inverse_IJ, inverse_mask_IJ):
+  return gather_sum(src_ID, index_MJ, mask_MJ), (index_MJ, mask_MJ, inverse_IJ, inverse_mask_IJ)
 
 
 def _take_bwd(residuals, ct_MD):
-  index_MK, mask_MK, inverse_NK, inverse_mask_NK = residuals
-  k = index_MK.shape[1]  # pair m * k + j reads ct[m]
-  return gather_sum(ct_MD, inverse_NK // k, inverse_mask_NK), None, None, None, None
+  index_MJ, mask_MJ, inverse_IJ, inverse_mask_IJ = residuals
+  width = index_MJ.shape[1]  # pair m * J + j reads ct[m]
+  return gather_sum(ct_MD, inverse_IJ // width, inverse_mask_IJ), None, None, None, None
 
 
 take.defvjp(_take_fwd, _take_bwd)

@@ -1,4 +1,4 @@
-"""A Llama-style decoder: embedding, [RMSNorm -> GQA -> RMSNorm -> SwiGLU] x N, norm, logits.
+"""A Llama-style decoder: embedding, [RMSNorm -> GQA -> RMSNorm -> SwiGLU] x n_layers, norm, logits.
 
 Layers are always stacked under `params/layers` with a leading `layers` axis (nn.scan), so the
 scanned and the unrolled (`scan_layers=False`, scan fully unrolled) models share one parameter tree.
@@ -60,7 +60,7 @@ class Group(nn.Module):
 def layer_plan(cfg: ModelConfig) -> list[tuple[str, str, int]]:
   """The scans of the decoder, in order: (parameter name, kind, length); kind is dense, moe or group.
 
-  Dense model: [("layers", "dense", N)]. MoE: the first `moe_first_dense` layers under
+  Dense model: [("layers", "dense", n_layers)]. MoE: the first `moe_first_dense` layers under
   `dense_layers`, then under `layers` either every layer MoE or groups of `moe_every` layers."""
   if not cfg.n_experts:
     return [("layers", "dense", cfg.n_layers)]

@@ -32,13 +32,13 @@ def moe_summary(moe_stats: dict) -> dict:
   return out
 
 
-def update_expert_bias(extra: dict, load_NE, rate: float) -> dict:
+def update_expert_bias(extra: dict, load_ZE, rate: float) -> dict:
   """Auxiliary-loss-free balancing (DeepSeek-V3): each expert's selection bias moves by `rate`
   towards balance, up when the expert got less than its share of tokens, down when more."""
   leaves, treedef = jax.tree.flatten(extra["moe_state"])
-  if len(leaves) != 1 or leaves[0].shape != load_NE.shape:
-    raise ValueError(f"expert biases {[x.shape for x in leaves]} do not match the load {load_NE.shape}")
-  bias = leaves[0] + rate * jnp.sign(1.0 / load_NE.shape[-1] - load_NE)
+  if len(leaves) != 1 or leaves[0].shape != load_ZE.shape:
+    raise ValueError(f"expert biases {[x.shape for x in leaves]} do not match the load {load_ZE.shape}")
+  bias = leaves[0] + rate * jnp.sign(1.0 / load_ZE.shape[-1] - load_ZE)
   return {**extra, "moe_state": jax.tree.unflatten(treedef, [bias])}
 
 
@@ -78,10 +78,10 @@ class LanguageModel(Task):
     out = {"loss": sums["ce"] / tokens, "z_loss": sums["z"] / tokens, "tokens": tokens}
     moe = jax.tree.map(lambda v: v / parts, sums["moe"])  # means of the parts' means
     if moe:
-      load_NE = moe["load"]
+      load_ZE = moe["load"]
       out.update({"moe_aux_loss": moe["aux_loss"], "moe_z_loss": moe["z_loss"], "moe_dropped": moe["dropped"],
-                  "moe_router_entropy": moe["entropy"], "moe_load": jnp.mean(load_NE, axis=0),
-                  "moe_imbalance": jnp.mean(jnp.max(load_NE, axis=-1)) * load_NE.shape[-1]})
+                  "moe_router_entropy": moe["entropy"], "moe_load": jnp.mean(load_ZE, axis=0),
+                  "moe_imbalance": jnp.mean(jnp.max(load_ZE, axis=-1)) * load_ZE.shape[-1]})
     return out
 
   def update_extra(self, extra, sums, parts):
