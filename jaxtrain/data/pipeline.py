@@ -11,7 +11,7 @@ Every process packs the whole global stream, but a piece is packed as the indice
 not the tokens, so packing costs no reads; a process then reads only the tokens of its own rows.
 The state (grain's, a few integers) is therefore the same on every process and independent of
 process_count: global batches are identical for any process count, and a state saved by P
-processes restores exactly under any P' that divides batch_size. Shape letters: R rows, L seq_len.
+processes restores exactly under any P' that divides batch_size. Shape letters: jaxtrain/model/axes.py.
 """
 
 import json

@@ -16,7 +16,7 @@ import numpy as np
 
 
 class Split(NamedTuple):
-  """[K, 2] token ranges [start, stop) of each split; tail: tokens held out at the end (0: by documents)."""
+  """Token ranges [start, stop) of each split, one row per range; tail: tokens held out at the end (0: by documents)."""
   train: np.ndarray
   eval: np.ndarray
   tail: int

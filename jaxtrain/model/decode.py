@@ -35,18 +35,18 @@ def sample_token(logits_BV, rng, temperature: float, top_k: int):
   return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-def generate(model: Transformer, params, prompt_BP, rng, max_new_tokens: int, temperature: float, top_k: int,
+def generate(model: Transformer, params, prompt_BL, rng, max_new_tokens: int, temperature: float, top_k: int,
              extra=None):
   """Prompt [B, P] -> new tokens [B, max_new_tokens]. Pure; jit it with the sampling args static.
   ValueError when P + max_new_tokens exceeds max_seq_len (the cache's positions)."""
-  b, p = prompt_BP.shape
+  b, p = prompt_BL.shape
   if max_new_tokens < 1:
     raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
   if p + max_new_tokens > model.cfg.max_seq_len:
     raise ValueError(f"generate: prompt length {p} + max_new_tokens {max_new_tokens} = {p + max_new_tokens} "
                      f"exceeds max_seq_len={model.cfg.max_seq_len}")
-  logits_BPV, cache = decode_logits(model, params, init_cache(model, b), prompt_BP, 0, extra)
-  first_B = sample_token(logits_BPV[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
+  logits_BLV, cache = decode_logits(model, params, init_cache(model, b), prompt_BL, 0, extra)
+  first_B = sample_token(logits_BLV[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
 
   def step(carry, i):
     token_B, cache = carry
