@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import math
 import statistics
+from typing import Callable
 
 from orbax.checkpoint import checkpoint_managers as policies
 
@@ -86,6 +87,18 @@ def save_policy(every_steps: int, every_seconds: float, adaptive: AdaptivePolicy
   if not chosen:
     return None
   return chosen[0] if len(chosen) == 1 else policies.AnySavePolicy(chosen)
+
+
+@dataclasses.dataclass
+class Settled(policies.SaveDecisionPolicy):
+  """`policy`, told whether a save is in flight by `in_flight()`: Orbax's own flag stays set after a save that failed
+  in its blocking part (orbax-checkpoint 0.12), which would stop every timed and adaptive save after it."""
+  policy: policies.SaveDecisionPolicy
+  in_flight: Callable[[], bool]
+
+  def should_save(self, step, previous_steps, *, context) -> bool:
+    context = dataclasses.replace(context, is_saving_in_progress=self.in_flight())
+    return self.policy.should_save(step, previous_steps, context=context)
 
 
 def preservation_policy(keep: int, keep_every_steps: int = 0):

@@ -242,6 +242,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
         _log_decisions(writer, step + 1, ckpts.save(step + 1, state, train_iter.get_state(), meta, due))
       for record in ckpts.finished_saves():
         writer.write(record.step, record.row())
+      ckpts.check()  # SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row
     if pending is not None:
       last.update(_log_step(pending, writer, bar, constants, flops, peak, window_start, window_steps,
                             tokens_per_step))
@@ -254,6 +255,7 @@ def train(cfg, workdir: str, *, devices=None, progress: bool = True, sync_every_
   ckpts.close()
   bar.close()
   writer.close()
+  ckpts.check(final=True)  # SaveFailed when the final save failed
   last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), **sizes, **constants})
   return last
 
