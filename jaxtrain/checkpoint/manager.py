@@ -24,6 +24,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 
 import flax.serialization
 import jax
@@ -35,6 +36,45 @@ from jaxtrain import errors
 from jaxtrain.checkpoint import policy as policy_lib
 
 FORMAT = 1
+
+
+def _from_orbax(tb) -> bool:
+  return any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops Orbax's log records (INFO chatter, warnings about choices made here such as a read-only manager, errors
+  that repeat with tracebacks the exceptions that Checkpoints reports in one line), and asyncio's reports of Orbax's
+  write tasks that outlive a failed save. Remove it from the "absl" and "asyncio" loggers to see them."""
+
+  def filter(self, record) -> bool:
+    if record.name == "asyncio":
+      return not (record.exc_info and _from_orbax(record.exc_info[2]))
+    return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+QUIET_ORBAX = _QuietOrbax()
+
+
+def _quiet_unraisable(hook):
+  """`hook` (sys.unraisablehook) without the errors of Orbax's write tasks that outlive a failed save: TensorStore
+  completing a write for an event loop that Orbax closed, a task collected at exit."""
+  def quiet(u):
+    closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+    code = getattr(u.object, "cr_code", None)
+    if not (closed or _from_orbax(u.exc_traceback) or (code and f"{os.sep}orbax{os.sep}" in code.co_filename)):
+      hook(u)
+  quiet.quiet_orbax = True
+  return quiet
+
+
+def _quiet_orbax():
+  """Installs, once, the filters above: our one line per failed save is all the user needs to see."""
+  for name in ("absl", "asyncio"):  # Orbax logs through absl's logger
+    if QUIET_ORBAX not in logging.getLogger(name).filters:
+      logging.getLogger(name).addFilter(QUIET_ORBAX)
+  if not getattr(sys.unraisablehook, "quiet_orbax", False):
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 # ---- the per-process data iterator state, as an Orbax item ----
@@ -136,6 +176,7 @@ class Checkpoints:
   step of any tier), `finished_saves` (records of saves Orbax has finalized since the last call)."""
 
   def __init__(self, cfg, workdir: str, *, read_only: bool = False):
+    _quiet_orbax()
     k = cfg.checkpoint
     dirs = tier_dirs(k, workdir)
     self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
@@ -172,15 +213,8 @@ class Checkpoints:
         save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
         preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps),
         async_options=async_options, enable_background_delete=False)
-    quiet = logging.getLogger("absl")
-    level = quiet.level
-    if read_only:  # Orbax warns that a read-only manager will not save, which is the point
-      quiet.setLevel(logging.ERROR)
-    try:
-      handlers = _handlers(self._compress, self._ocdbt)
-      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
-    finally:
-      quiet.setLevel(level)
+    handlers = _handlers(self._compress, self._ocdbt)
+    return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
 
   # ---- which steps exist ----
 

@@ -1,8 +1,11 @@
 """Checkpoint tiers, save policies, workdir compatibility and crash safety (kill -9)."""
 
+import contextlib
 import glob
+import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -131,6 +134,32 @@ def test_adaptive_policy_saves_often_while_unstable_and_rarely_while_calm():
   assert "update skipped" in p.observe(23, 4.8, 1.0, 1) and p.interval == 2
   p.interval = 8
   assert "non-finite loss" in p.observe(24, float("nan"), 1.0, 1) and p.interval == 2
+
+
+@contextlib.contextmanager
+def stderr_logging():
+  """Logging to stderr from INFO up, as outside pytest: absl's first log call (at Orbax's import) runs
+  logging.basicConfig() when the root logger has no handler, but under pytest it has pytest's."""
+  root, handler = logging.getLogger(), logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+  level = root.level
+  root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  try:
+    yield
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def test_train_resume_and_restore_log_nothing_from_dependencies(tmp_path, capfd):
+  one = dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
+  workdir = str(tmp_path / "run")
+  with stderr_logging():
+    jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0)), workdir, **one)
+    jaxtrain.train(tiny_config(train=dict(steps=3, eval_every=0)), workdir, **one)  # the read-only probe, a restore
+  err = capfd.readouterr().err
+  assert not re.search(r"^(\w+:(absl|orbax)|[IWEF]\d{4} )", err, re.M), err[-3000:]
 
 
 # ---- crash safety: kill -9 at random moments, some while a save is in flight ----
