@@ -211,7 +211,7 @@ class Checkpoints:
     options = ocp.CheckpointManagerOptions(
         create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
         save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
-        preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps),
+        preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps, tier.adaptive),
         async_options=async_options, enable_background_delete=False)
     handlers = _handlers(self._compress, self._ocdbt)
     return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
@@ -226,6 +226,16 @@ class Checkpoints:
       if step is not None and (best[0] is None or step > best[0]):
         best = (step, tier)
     return best
+
+  def latest_good(self) -> int | None:
+    """The newest complete step saved while training was calm (AdaptivePolicy: no spike, no non-finite loss, no
+    skipped update before it or at the step after it); None without an adaptive tier."""
+    good = []
+    for tier in (t for t in self.tiers if t.adaptive):
+      self._settle(tier, block=False)
+      in_flight = {r.step for r in self._pending(tier.name)}
+      good.append(tier.adaptive.newest_good(s for s in tier.manager.all_steps() if s not in in_flight))
+    return max((s for s in good if s is not None), default=None)
 
   # ---- save ----
 
@@ -262,7 +272,7 @@ class Checkpoints:
         self._failed(tier, record, e)
         continue
       record.blocking_s = time.perf_counter() - start
-      if tier.adaptive and (d := tier.adaptive.saved()):
+      if tier.adaptive and (d := tier.adaptive.saved(step)):
         decisions.append(f"{tier.name}: {d}")
     return decisions
 
