@@ -158,6 +158,7 @@ class Tier:
   directory: str
   manager: ocp.CheckpointManager
   adaptive: policy_lib.AdaptivePolicy | None = None
+  decide: policy_lib.Settled | None = None
   failures: int = 0  # failed saves in a row
   failed: SaveRecord | None = None  # the last save, when it failed
 
@@ -191,7 +192,7 @@ class Checkpoints:
                                       k.fast_every_seconds if fast else k.every_seconds, adaptive)
       if decide is not None:
         decide = policy_lib.Settled(decide, lambda name=name: self._in_flight(name))
-      self.tiers.append(Tier(name, _abs(directory), None, adaptive))
+      self.tiers.append(Tier(name, _abs(directory), None, adaptive, decide))
       self.tiers[-1].manager = self._manager(self.tiers[-1], decide, k.fast_keep if fast else k.keep,
                                              0 if fast else k.keep_every_steps, read_only)
     self._records: list[SaveRecord] = []
@@ -339,6 +340,8 @@ class Checkpoints:
     with self._lock:
       record.error, record.finished, record.settled = _reason(e), time.perf_counter(), True
     tier.failures, tier.failed = tier.failures + 1, record
+    if tier.decide is not None:
+      tier.decide.failed(record.step)
     tqdm.tqdm.write(f"checkpoint save failed at step {record.step} ({tier.name}): {record.error}", file=sys.stderr)
     try:
       for partial in epath.Path(tier.directory).glob(f"{record.step}.orbax-checkpoint-tmp*"):

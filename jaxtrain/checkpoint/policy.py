@@ -10,6 +10,7 @@ process decides alike.
 
 import collections
 import dataclasses
+import datetime
 import math
 import statistics
 from typing import Callable
@@ -122,14 +123,29 @@ class KeepGood(policies.PreservationPolicy):
 
 
 @dataclasses.dataclass
+class Attempt:
+  """A save that failed, as Orbax's policies see a save (a PolicyCheckpointInfo)."""
+  step: int
+  time: datetime.datetime
+  metrics: None = None
+
+
+@dataclasses.dataclass
 class Settled(policies.SaveDecisionPolicy):
-  """`policy`, told whether a save is in flight by `in_flight()`: Orbax's own flag stays set after a save that failed
-  in its blocking part (orbax-checkpoint 0.12), which would stop every timed and adaptive save after it."""
+  """`policy`, told whether a save is in flight by `in_flight()` (Orbax's own flag stays set after a save that failed
+  in its blocking part, orbax-checkpoint 0.12, which stopped timed and adaptive saves for good), and counting the
+  interval from a failed save (`failed(step)`) as from a save: the retry comes one interval later, not every step."""
   policy: policies.SaveDecisionPolicy
   in_flight: Callable[[], bool]
+  attempt: Attempt | None = None
+
+  def failed(self, step: int):
+    self.attempt = Attempt(step, datetime.datetime.now(datetime.timezone.utc))
 
   def should_save(self, step, previous_steps, *, context) -> bool:
     context = dataclasses.replace(context, is_saving_in_progress=self.in_flight())
+    if self.attempt is not None and (not previous_steps or self.attempt.step > previous_steps[-1].step):
+      previous_steps = [*previous_steps, self.attempt]
     return self.policy.should_save(step, previous_steps, context=context)
 
 

@@ -153,3 +153,18 @@ def test_timed_and_adaptive_saves_go_on_after_a_save_failed_in_its_blocking_part
   assert sorted(ckpts.tiers[0].manager.all_steps()) == [1, 3]
   ckpts.close()
   assert_failure_lines(capfd.readouterr().err, [2], "directory")
+
+
+def test_an_adaptive_save_that_failed_is_retried_one_interval_later(tmp_path, monkeypatch, capfd):
+  disk = Disk(tmp_path, "directory", monkeypatch)
+  cfg = tiny_config(checkpoint=dict(dir=disk.directory, adaptive=True, adaptive_min_steps=2, adaptive_max_steps=2))
+  ckpts = checkpoint.Checkpoints(cfg, str(tmp_path / "run"))
+  for step in range(1, 9):
+    disk.fail(step == 4)
+    if ckpts.due(step):
+      ckpts.save(step, {"w": jax.numpy.arange(4.0)}, {}, {})
+      ckpts.wait()
+  disk.fail(False)
+  assert [(r.step, r.error is None) for r in ckpts.finished_saves()] == [(2, True), (4, False), (6, True), (8, True)]
+  ckpts.close()
+  assert_failure_lines(capfd.readouterr().err, [4], "directory")
