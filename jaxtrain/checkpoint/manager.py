@@ -38,8 +38,10 @@ from jaxtrain.checkpoint import policy as policy_lib
 FORMAT = 1
 
 
-def _from_orbax(tb) -> bool:
-  return any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
+def _from_orbax(e: BaseException | None, tb) -> bool:
+  """Raised in Orbax's code, or by TensorStore writing into one of Orbax's temporary step directories."""
+  return (any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
+          or ".orbax-checkpoint-tmp" in str(e))
 
 
 class _QuietOrbax(logging.Filter):
@@ -49,7 +51,7 @@ class _QuietOrbax(logging.Filter):
 
   def filter(self, record) -> bool:
     if record.name == "asyncio":
-      return not (record.exc_info and _from_orbax(record.exc_info[2]))
+      return not (record.exc_info and _from_orbax(*record.exc_info[1:]))
     return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
@@ -61,8 +63,8 @@ def _quiet_unraisable(hook):
   completing a write for an event loop that Orbax closed, a task collected at exit."""
   def quiet(u):
     closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
-    code = getattr(u.object, "cr_code", None)
-    if not (closed or _from_orbax(u.exc_traceback) or (code and f"{os.sep}orbax{os.sep}" in code.co_filename)):
+    task = f"{os.sep}orbax{os.sep}" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
+    if not (closed or task or _from_orbax(u.exc_value, u.exc_traceback)):
       hook(u)
   quiet.quiet_orbax = True
   return quiet
