@@ -167,6 +167,7 @@ def default_config() -> ml_collections.ConfigDict:
   k.fast_every_steps = 0  # fast tier: save every n steps
   k.fast_every_seconds = 0.0  # fast tier: and/or every this many seconds
   k.fast_keep = 1  # fast tier: keep the newest n steps
+  k.max_failed_saves = 3  # end the run (exit status 5) when this many saves of a tier fail in a row
   # Adaptive: between min and max steps apart, sooner while the loss is unstable (see checkpoint/policy.py).
   k.adaptive = False
   k.adaptive_min_steps = 10
@@ -312,6 +313,8 @@ def _validate_checkpoint(k):
       raise ConfigError(f"checkpoint.{key} must be >= 0, got {k[key]}")
   if k.every_seconds < 0 or k.fast_every_seconds < 0:
     raise ConfigError("checkpoint.every_seconds and checkpoint.fast_every_seconds must be >= 0")
+  if k.max_failed_saves < 1:
+    raise ConfigError(f"checkpoint.max_failed_saves must be >= 1, got {k.max_failed_saves}")
   if k.keep < 1 or k.fast_keep < 1:
     raise ConfigError(f"checkpoint.keep and checkpoint.fast_keep must be >= 1, got {k.keep} and {k.fast_keep}")
   if k.adaptive and not 1 <= k.adaptive_min_steps <= k.adaptive_max_steps:

@@ -81,6 +81,7 @@ BAD = {
     "checkpoint seconds nan": ["--config.checkpoint.every_seconds=nan"],
     "unknown on_divergence": ["--config.optim.on_divergence=ignore"],
     "no skips allowed": ["--config.optim.max_consecutive_skips=0"],
+    "no failed save allowed": ["--config.checkpoint.max_failed_saves=0"],
 }
 
 

@@ -9,6 +9,11 @@ being written when the process died is never listed, and is removed at the next 
 Two tiers: a *fast* one (local disk or RAM disk, saved often, kept short) and a *persistent*
 one (any path or TensorStore URL, saved less often, kept by a preservation policy). Each saves
 asynchronously under its own save policy; restore takes the newest complete step of either.
+
+A save that fails (a full or read-only disk), in its blocking part or on Orbax's background
+thread, is one line on stderr and one `checkpoint_error` record; training goes on and the next
+due save retries. `check` ends the run (errors.SaveFailed) when `checkpoint.max_failed_saves`
+saves of a tier failed in a row, or the final save failed.
 """
 
 import dataclasses
@@ -16,17 +21,62 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
+import traceback
 
 import flax.serialization
 import jax
 import orbax.checkpoint as ocp
+import tqdm
 from etils import epath
 
+from jaxtrain import errors
 from jaxtrain.checkpoint import policy as policy_lib
 
 FORMAT = 1
+
+
+def _from_orbax(e: BaseException | None, tb) -> bool:
+  """Raised in Orbax's code, or by TensorStore writing into one of Orbax's temporary step directories."""
+  return (any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
+          or ".orbax-checkpoint-tmp" in str(e))
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops Orbax's log records (INFO chatter, warnings about choices made here such as a read-only manager, errors
+  that repeat with tracebacks the exceptions that Checkpoints reports in one line), and asyncio's reports of Orbax's
+  write tasks that outlive a failed save. Remove it from the "absl" and "asyncio" loggers to see them."""
+
+  def filter(self, record) -> bool:
+    if record.name == "asyncio":
+      return not (record.exc_info and _from_orbax(*record.exc_info[1:]))
+    return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+QUIET_ORBAX = _QuietOrbax()
+
+
+def _quiet_unraisable(hook):
+  """`hook` (sys.unraisablehook) without the errors of Orbax's write tasks that outlive a failed save: TensorStore
+  completing a write for an event loop that Orbax closed, a task collected at exit."""
+  def quiet(u):
+    closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+    task = f"{os.sep}orbax{os.sep}" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
+    if not (closed or task or _from_orbax(u.exc_value, u.exc_traceback)):
+      hook(u)
+  quiet.quiet_orbax = True
+  return quiet
+
+
+def _quiet_orbax():
+  """Installs, once, the filters above: our one line per failed save is all the user needs to see."""
+  for name in ("absl", "asyncio"):  # Orbax logs through absl's logger
+    if QUIET_ORBAX not in logging.getLogger(name).filters:
+      logging.getLogger(name).addFilter(QUIET_ORBAX)
+  if not getattr(sys.unraisablehook, "quiet_orbax", False):
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 # ---- the per-process data iterator state, as an Orbax item ----
@@ -75,24 +125,20 @@ def _handlers(compress: bool = False, ocdbt: bool = True):
 # ---- tiers ----
 
 @dataclasses.dataclass
-class Tier:
-  name: str
-  directory: str
-  manager: ocp.CheckpointManager
-  adaptive: policy_lib.AdaptivePolicy | None = None
-
-
-@dataclasses.dataclass
 class SaveRecord:
-  """One save: blocking time on the loop, then (once Orbax finalized it) bytes and throughput."""
+  """One save: blocking time on the loop, then (once Orbax finalized it) bytes and throughput, or why it failed."""
   tier: str
   step: int
   bytes: int
   blocking_s: float
   started: float
   finished: float | None = None
+  error: str | None = None
+  settled: bool = False  # complete on disk, or failed
 
   def row(self) -> dict:
+    if self.error is not None:
+      return {"event": "checkpoint_error", "tier": self.tier, "error": self.error}
     seconds = self.finished - self.started
     return {"event": "checkpoint_save", "tier": self.tier, "save_blocking_s": self.blocking_s,
             "save_bytes": self.bytes, "save_total_s": seconds, "save_MBps": self.bytes / seconds / 1e6}
@@ -108,8 +154,24 @@ def tier_dirs(k, workdir: str) -> dict[str, str]:
   return dirs
 
 
+@dataclasses.dataclass
+class Tier:
+  name: str
+  directory: str
+  manager: ocp.CheckpointManager
+  adaptive: policy_lib.AdaptivePolicy | None = None
+  decide: policy_lib.Settled | None = None
+  failures: int = 0  # failed saves in a row
+  failed: SaveRecord | None = None  # the last save, when it failed
+
+
 def _abs(directory: str) -> str:
   return directory if "://" in directory else os.path.abspath(directory)
+
+
+def _reason(e: BaseException) -> str:
+  """An exception as one line (TensorStore's carry the OS error: `... No space left on device [os_error_code=28]`)."""
+  return " ".join(str(e).split()) or type(e).__name__
 
 
 class Checkpoints:
@@ -117,9 +179,11 @@ class Checkpoints:
   step of any tier), `finished_saves` (records of saves Orbax has finalized since the last call)."""
 
   def __init__(self, cfg, workdir: str, *, read_only: bool = False):
+    _quiet_orbax()
     k = cfg.checkpoint
     dirs = tier_dirs(k, workdir)
     self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
+    self._max_failed = 0 if read_only else k.max_failed_saves
     self.tiers: list[Tier] = []
     for name, directory in dirs.items():
       fast = name == "fast"
@@ -128,7 +192,9 @@ class Checkpoints:
         adaptive = policy_lib.AdaptivePolicy(k.adaptive_min_steps, k.adaptive_max_steps, k.adaptive_spike)
       decide = policy_lib.save_policy(k.fast_every_steps if fast else k.every_steps,
                                       k.fast_every_seconds if fast else k.every_seconds, adaptive)
-      self.tiers.append(Tier(name, _abs(directory), None, adaptive))
+      if decide is not None:
+        decide = policy_lib.Settled(decide, lambda name=name: self._in_flight(name))
+      self.tiers.append(Tier(name, _abs(directory), None, adaptive, decide))
       self.tiers[-1].manager = self._manager(self.tiers[-1], decide, k.fast_keep if fast else k.keep,
                                              0 if fast else k.keep_every_steps, read_only)
     self._records: list[SaveRecord] = []
@@ -142,21 +208,16 @@ class Checkpoints:
           r.finished = time.perf_counter()
     if read_only:
       decide = None
+    # Directories are made in the blocking part of a save: made on Orbax's background thread, a failure (a read-only
+    # or vanished directory) left the blocking part waiting 300 s for a signal that never came (orbax 0.12).
+    async_options = ocp.AsyncOptions(post_finalization_callback=finalized, create_directories_asynchronously=False)
     options = ocp.CheckpointManagerOptions(
         create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
         save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
-        preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps),
-        async_options=ocp.AsyncOptions(post_finalization_callback=finalized),
-        enable_background_delete=False)
-    quiet = logging.getLogger("absl")
-    level = quiet.level
-    if read_only:  # Orbax warns that a read-only manager will not save, which is the point
-      quiet.setLevel(logging.ERROR)
-    try:
-      handlers = _handlers(self._compress, self._ocdbt)
-      return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
-    finally:
-      quiet.setLevel(level)
+        preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps, tier.adaptive),
+        async_options=async_options, enable_background_delete=False)
+    handlers = _handlers(self._compress, self._ocdbt)
+    return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
 
   # ---- which steps exist ----
 
@@ -168,6 +229,16 @@ class Checkpoints:
       if step is not None and (best[0] is None or step > best[0]):
         best = (step, tier)
     return best
+
+  def latest_good(self) -> int | None:
+    """The newest complete step saved while training was calm (AdaptivePolicy: no spike, no non-finite loss, no
+    skipped update before it or at the step after it); None without an adaptive tier."""
+    good = []
+    for tier in (t for t in self.tiers if t.adaptive):
+      self._settle(tier, block=False)
+      in_flight = {r.step for r in self._pending(tier.name)}
+      good.append(tier.adaptive.newest_good(s for s in tier.manager.all_steps() if s not in in_flight))
+    return max((s for s in good if s is not None), default=None)
 
   # ---- save ----
 
@@ -189,18 +260,22 @@ class Checkpoints:
     # time below is the save's own (the loop would wait for that step at its next read anyway).
     jax.block_until_ready(tree)
     for tier in self.due(step) if tiers is None else tiers:
+      start = time.perf_counter()
+      self._settle(tier, block=True)  # Orbax would wait for this tier's previous save anyway
       if tier.manager.latest_step() == step:
         continue
       args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), data=DataSave(data_state),
                                 meta=ocp.args.JsonSave({"format": FORMAT, **meta}))
-      start = time.perf_counter()
-      tier.manager.wait_until_finished()  # Orbax would wait for this tier's previous save anyway
       record = SaveRecord(tier.name, step, nbytes, 0.0, time.perf_counter())
       with self._lock:
         self._records.append(record)
-      tier.manager.save(step, args=args, force=True)
+      try:
+        tier.manager.save(step, args=args, force=True)
+      except Exception as e:  # a disk fault in the blocking part: the next due save retries
+        self._failed(tier, record, e)
+        continue
       record.blocking_s = time.perf_counter() - start
-      if tier.adaptive and (d := tier.adaptive.saved()):
+      if tier.adaptive and (d := tier.adaptive.saved(step)):
         decisions.append(f"{tier.name}: {d}")
     return decisions
 
@@ -208,18 +283,73 @@ class Checkpoints:
     return [t for t in self.tiers if t.name == "persistent"]
 
   def finished_saves(self) -> list[SaveRecord]:
+    """The saves that ended since the last call: complete (`checkpoint_save` rows) or failed (`checkpoint_error`)."""
+    for tier in self.tiers:
+      self._settle(tier, block=False)
     with self._lock:
-      done = [r for r in self._records if r.finished is not None]
-      self._records = [r for r in self._records if r.finished is None]
+      done = [r for r in self._records if r.settled]
+      self._records = [r for r in self._records if not r.settled]
     return done
 
-  def wait(self):
+  def check(self, final: bool = False):
+    """Raises errors.SaveFailed when a tier failed `checkpoint.max_failed_saves` saves in a row or, with `final`
+    (after the final save and `wait`), when the persistent tier's last save failed."""
     for tier in self.tiers:
-      tier.manager.wait_until_finished()
+      last = tier.failed
+      if last is not None and final and tier.name == "persistent":
+        raise errors.SaveFailed(f"the final checkpoint save at step {last.step} failed ({tier.name}): {last.error}")
+      if last is not None and tier.failures >= self._max_failed:
+        raise errors.SaveFailed(f"checkpoint saves to the {tier.name} tier failed {tier.failures} times in a row; "
+                                f"the last, at step {last.step}: {last.error}")
+
+  def wait(self):
+    """Blocks until every save in flight is complete or failed (a failure is recorded, not raised)."""
+    for tier in self.tiers:
+      self._settle(tier, block=True)
 
   def close(self):
+    self.wait()
     for tier in self.tiers:
       tier.manager.close()
+
+  # ---- saves in flight, and failed ones ----
+
+  def _pending(self, name: str) -> list[SaveRecord]:
+    with self._lock:
+      return [r for r in self._records if r.tier == name and not r.settled]
+
+  def _in_flight(self, name: str) -> bool:
+    return bool(self._pending(name))
+
+  def _settle(self, tier: Tier, block: bool):
+    """Ends the tier's save in flight once Orbax is done with it (at once with `block`): complete, or failed."""
+    pending = self._pending(tier.name)
+    if not pending or (not block and tier.manager.is_saving_in_progress()):
+      return
+    try:
+      tier.manager.wait_until_finished()
+    except Exception as e:  # the commit failed on Orbax's background thread
+      for record in pending:
+        self._failed(tier, record, e)
+      return
+    with self._lock:
+      for record in pending:
+        record.finished, record.settled = record.finished or time.perf_counter(), True
+    tier.failures, tier.failed = 0, None
+
+  def _failed(self, tier: Tier, record: SaveRecord, e: Exception):
+    """One line on stderr, the record's error, and no half-written step left to fill the disk."""
+    with self._lock:
+      record.error, record.finished, record.settled = _reason(e), time.perf_counter(), True
+    tier.failures, tier.failed = tier.failures + 1, record
+    if tier.decide is not None:
+      tier.decide.failed(record.step)
+    tqdm.tqdm.write(f"checkpoint save failed at step {record.step} ({tier.name}): {record.error}", file=sys.stderr)
+    try:
+      for partial in epath.Path(tier.directory).glob(f"{record.step}.orbax-checkpoint-tmp*"):
+        partial.rmtree()
+    except OSError:
+      pass  # the directory itself is unusable; Orbax removes partial steps at the next start
 
   # ---- restore ----
 

@@ -3,13 +3,17 @@
 The adaptive policy saves more often while training is unstable and less often while it
 converges smoothly. The loop feeds it each step's loss, gradient norm and skipped-step count
 (`observe`); Orbax asks it `should_save`. Every change of interval is returned by `observe`
-so that the loop logs it. All inputs are global values, so every process decides alike.
+so that the loop logs it. It also marks *good* steps, which `KeepGood` preserves, so that a
+rollback after a divergence has a step from before it. All inputs are global values, so every
+process decides alike.
 """
 
 import collections
 import dataclasses
+import datetime
 import math
 import statistics
+from typing import Callable
 
 from orbax.checkpoint import checkpoint_managers as policies
 
@@ -20,7 +24,9 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
   up to `max_steps`.
 
   Warning signs: a loss above (1 + spike) times the median of the last `window` losses, a
-  gradient norm above 3x its median, a non-finite loss, or a skipped (non-finite) update."""
+  gradient norm above 3x its median, a non-finite loss, or a skipped (non-finite) update.
+  A saved step is good when no sign came since the save before it nor at the step after it
+  (whose loss is the first computed from the saved params); `good` lists them, oldest first."""
   min_steps: int
   max_steps: int
   spike: float = 0.1
@@ -32,6 +38,8 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
     self._grad_norms = collections.deque(maxlen=self.window)
     self._skipped = 0
     self._calm_since_save = True
+    self.good: list[int] = []
+    self._unjudged: list[int] = []  # saved after a calm stretch; good unless the next step shows a sign
 
   def observe(self, step: int, loss: float, grad_norm: float, skipped: float) -> str | None:
     """Takes one step's global values; returns why the interval changed, or None."""
@@ -50,6 +58,7 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
       self._losses.append(loss)
     if math.isfinite(grad_norm):
       self._grad_norms.append(grad_norm)
+    self._judge(step, calm=reason is None)
     if reason is None:
       return None
     self._calm_since_save = False
@@ -58,9 +67,22 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
     self.interval = self.min_steps
     return f"interval -> {self.interval} steps ({reason})"
 
-  def saved(self) -> str | None:
+  def _judge(self, step: int, calm: bool):
+    """A sign condemns every unjudged save (the newest made the state that showed it); calm confirms those before."""
+    judged = [s for s in self._unjudged if s < step] if calm else []
+    self.good += judged
+    self._unjudged = [s for s in self._unjudged if s >= step] if calm else []
+
+  def newest_good(self, steps) -> int | None:
+    """The newest good step among `steps` (those on disk)."""
+    steps = set(steps)
+    return max((s for s in self.good if s in steps), default=None)
+
+  def saved(self, step: int) -> str | None:
     """Called after each save of this tier: a calm stretch doubles the interval."""
     calm, self._calm_since_save = self._calm_since_save, True
+    if calm:
+      self._unjudged.append(step)
     if not calm or self.interval >= self.max_steps:
       return None
     self.interval = min(2 * self.interval, self.max_steps)
@@ -88,9 +110,50 @@ def save_policy(every_steps: int, every_seconds: float, adaptive: AdaptivePolicy
   return chosen[0] if len(chosen) == 1 else policies.AnySavePolicy(chosen)
 
 
-def preservation_policy(keep: int, keep_every_steps: int = 0):
-  """Keep the newest `keep` steps, and every step divisible by `keep_every_steps`."""
+@dataclasses.dataclass
+class KeepGood(policies.PreservationPolicy):
+  """Preserves the newest step that `adaptive` marked good, however many saves came after it."""
+  adaptive: AdaptivePolicy
+
+  def should_preserve(self, checkpoints, *, context) -> list[bool]:
+    steps = [c.step for c in checkpoints]  # all the manager holds, the step being saved included
+    self.adaptive.good = [s for s in self.adaptive.good if s >= min(steps, default=0)]  # older ones were deleted
+    good = self.adaptive.newest_good(steps)
+    return [step == good for step in steps]
+
+
+@dataclasses.dataclass
+class Attempt:
+  """A save that failed, as Orbax's policies see a save (a PolicyCheckpointInfo)."""
+  step: int
+  time: datetime.datetime
+  metrics: None = None
+
+
+@dataclasses.dataclass
+class Settled(policies.SaveDecisionPolicy):
+  """`policy`, told whether a save is in flight by `in_flight()` (Orbax's own flag stays set after a save that failed
+  in its blocking part, orbax-checkpoint 0.12, which stopped timed and adaptive saves for good), and counting the
+  interval from a failed save (`failed(step)`) as from a save: the retry comes one interval later, not every step."""
+  policy: policies.SaveDecisionPolicy
+  in_flight: Callable[[], bool]
+  attempt: Attempt | None = None
+
+  def failed(self, step: int):
+    self.attempt = Attempt(step, datetime.datetime.now(datetime.timezone.utc))
+
+  def should_save(self, step, previous_steps, *, context) -> bool:
+    context = dataclasses.replace(context, is_saving_in_progress=self.in_flight())
+    if self.attempt is not None and (not previous_steps or self.attempt.step > previous_steps[-1].step):
+      previous_steps = [*previous_steps, self.attempt]
+    return self.policy.should_save(step, previous_steps, context=context)
+
+
+def preservation_policy(keep: int, keep_every_steps: int = 0, adaptive: AdaptivePolicy | None = None):
+  """Keep the newest `keep` steps, every step divisible by `keep_every_steps`, and the newest good step."""
   kept = [policies.LatestN(keep)]
   if keep_every_steps:
     kept.append(policies.EveryNSteps(keep_every_steps))
+  if adaptive is not None:
+    kept.append(KeepGood(adaptive))
   return kept[0] if len(kept) == 1 else policies.AnyPreservationPolicy(kept)

@@ -145,7 +145,8 @@ def _rollback(cfg, ckpts, task, tx, mesh, step: int, rollbacks: int):
   if o.on_divergence != "rollback":
     raise errors.Diverged(f"{why}; lower optim.lr, or set optim.on_divergence=rollback")
   ckpts.wait()
-  good = ckpts.latest()[0]
+  good = ckpts.latest_good()  # the newest step saved while training was calm (adaptive tiers)
+  good = ckpts.latest()[0] if good is None else good
   if good is None or rollbacks >= o.max_rollbacks:
     reason = "no checkpoint to roll back to" if good is None else f"{rollbacks} rollbacks already"
     raise errors.Diverged(f"{why}; {reason} (optim.max_rollbacks={o.max_rollbacks})")
@@ -260,8 +261,9 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
         break
       if not is_last and (due := ckpts.due(step)):
         _log_decisions(log, step, ckpts.save(step, state, train_iter.get_state(), meta, due))
-      for record in ckpts.finished_saves():
+      for record in ckpts.finished_saves():  # also where a failed background save is noticed
         log.event(record.step, record.row())
+      ckpts.check()  # errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row
     if pending is not None:
       if _health(pending[1])["consecutive_skips"] >= o.max_consecutive_skips:
         _rollback(cfg, ckpts, task, tx, mesh, pending[0], o.max_rollbacks)  # raises Diverged
@@ -272,6 +274,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     ckpts.wait()
     for record in ckpts.finished_saves():
       log.event(record.step, record.row())
+    ckpts.check(final=True)  # errors.SaveFailed when the final save failed
   last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), "rollbacks": rollbacks,
                **sizes, **constants})
   return last

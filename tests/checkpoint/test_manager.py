@@ -1,8 +1,11 @@
 """Checkpoint tiers, save policies, workdir compatibility and crash safety (kill -9)."""
 
+import contextlib
 import glob
+import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +13,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -119,11 +123,11 @@ def test_adaptive_policy_saves_often_while_unstable_and_rarely_while_calm():
   decisions = []
   for step in range(1, 20):  # a smoothly falling loss: every save doubles the interval
     assert p.observe(step, 5.0 - 0.01 * step, 1.0, 0) is None
-    decisions.append(p.saved())
+    decisions.append(p.saved(step))
   assert p.interval == 16 and [d for d in decisions if d][:2] == [
       "interval -> 4 steps (calm since the last save)", "interval -> 8 steps (calm since the last save)"]
   assert "loss spike at step 20" in p.observe(20, 9.0, 1.0, 0) and p.interval == 2
-  assert p.saved() is None and p.interval == 2  # not calm since the last save: no growth yet
+  assert p.saved(20) is None and p.interval == 2  # not calm since the last save: no growth yet
   assert p.observe(21, 4.8, 10.0, 0) is None  # a warning, but already at the shortest interval
   p.interval = 8
   assert "grad-norm spike" in p.observe(22, 4.8, 50.0, 0) and p.interval == 2
@@ -131,6 +135,59 @@ def test_adaptive_policy_saves_often_while_unstable_and_rarely_while_calm():
   assert "update skipped" in p.observe(23, 4.8, 1.0, 1) and p.interval == 2
   p.interval = 8
   assert "non-finite loss" in p.observe(24, float("nan"), 1.0, 1) and p.interval == 2
+
+
+def test_the_step_saved_before_a_spike_is_kept_and_is_the_latest_good_one(tmp_path):
+  """keep=1 alone would delete it; the adaptive policy marks it good (calm before it and at the step after it)."""
+  cfg = tiny_config(checkpoint=dict(adaptive=True, adaptive_min_steps=2, adaptive_max_steps=2, keep=1))
+  ckpts = checkpoint.Checkpoints(cfg, str(tmp_path))
+  tree = lambda step: {"w": jnp.arange(4.0) + step}  # noqa: E731
+  listed = lambda: sorted(ckpts.tiers[0].manager.all_steps())  # noqa: E731
+  for step in range(1, 15):
+    loss = 9.0 if step == 9 else 5.0 - 0.01 * step  # a spike at step 9: the state saved at 8 made it
+    ckpts.observe(step, loss, 1.0, 0)
+    if ckpts.due(step):
+      ckpts.save(step, tree(step), {}, {})
+      ckpts.wait()
+    if step == 7:  # 6 is good once step 7 was calm; until the next save, 4 (the good one then) stays too
+      assert listed() == [4, 6] and ckpts.latest_good() == 6
+    if step == 11:
+      assert listed() == [6, 10] and ckpts.latest_good() == 6  # 8 preceded the spike, 10 followed it
+  assert listed() == [12, 14] and ckpts.latest_good() == 12  # calm again: 12 is good and 6 is let go
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  state = ckpts.restore(abstract, {"w": sharding}, ckpts.latest_good())[0]
+  np.testing.assert_array_equal(state["w"], tree(12)["w"])
+  ckpts.close()
+  plain = checkpoint.Checkpoints(tiny_config(), str(tmp_path / "plain"))
+  assert plain.latest_good() is None  # no adaptive policy: nothing tells calm from unstable
+  plain.close()
+
+
+@contextlib.contextmanager
+def stderr_logging():
+  """Logging to stderr from INFO up, as outside pytest: absl's first log call (at Orbax's import) runs
+  logging.basicConfig() when the root logger has no handler, but under pytest it has pytest's."""
+  root, handler = logging.getLogger(), logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+  level = root.level
+  root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  try:
+    yield
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def test_train_resume_and_restore_log_nothing_from_dependencies(tmp_path, capfd):
+  one = dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
+  workdir = str(tmp_path / "run")
+  with stderr_logging():
+    jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0)), workdir, **one)
+    jaxtrain.train(tiny_config(train=dict(steps=3, eval_every=0)), workdir, **one)  # the read-only probe, a restore
+  err = capfd.readouterr().err
+  assert not re.search(r"^(\w+:(absl|orbax)|[IWEF]\d{4} )", err, re.M), err[-3000:]
 
 
 # ---- crash safety: kill -9 at random moments, some while a save is in flight ----
