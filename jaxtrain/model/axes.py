@@ -15,7 +15,7 @@ one meaning each across all of jaxtrain:
   K head dim                                   Y symbols of a document's random half (synthetic data)
   L length, query side; a row's tokens         Z layers
   M rows of a grouped matmul or gather output  k routing choices per token (top-k); 1 an axis of size one
-Only `jaxtrain/parallel` maps these names to mesh axes.
+Only `jaxtrain/parallel` and `jaxtrain/collectives.py` map these names to mesh axes (`config.RULES`).
 """
 
 BATCH = "batch"
@@ -28,5 +28,6 @@ MLP = "mlp"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
+REPLICA = "replica"  # one copy per replica (TrainState.replica_state): the replica mesh axis in every preset
 
-ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS)
+ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, REPLICA)

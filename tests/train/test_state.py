@@ -71,6 +71,7 @@ def test_task_state_is_placed_like_the_params_it_holds():
 def test_replica_slot_is_sharded_over_the_replica_axis():
   cfg = tiny_config(mesh=dict(replica=2, data=4))
   mesh = parallel.make_mesh(cfg.mesh)
-  spec = nn.get_partition_spec(nn.with_logical_partitioning(jnp.zeros, ("replica", "embed"))((2, 32)))
+  from jaxtrain.model import axes
+  spec = nn.get_partition_spec(nn.with_logical_partitioning(jnp.zeros, (axes.REPLICA, axes.EMBED))((2, 32)))
   sharding = parallel.logical_shardings(spec, mesh, cfg.mesh.rules)
   assert sharding.spec[0] == "replica"
