@@ -262,8 +262,8 @@ class Checkpoints:
     for tier in self.due(step) if tiers is None else tiers:
       start = time.perf_counter()
       self._settle(tier, block=True)  # Orbax would wait for this tier's previous save anyway
-      if tier.manager.latest_step() == step:
-        continue
+      if tier.manager.latest_step() == step or (self._max_failed and tier.failures >= self._max_failed):
+        continue  # saved already, or failed too often: check() ends the run after its rows are written
       args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), data=DataSave(data_state),
                                 meta=ocp.args.JsonSave({"format": FORMAT, **meta}))
       record = SaveRecord(tier.name, step, nbytes, 0.0, time.perf_counter())

@@ -131,7 +131,7 @@ def trained(tmp_path_factory):
     mngr.wait_until_finished()
     params[step] = jax.device_get(state.params)
   os.makedirs(root / "wd" / "checkpoints" / "9.orbax-checkpoint-tmp-123")  # a save cut short
-  return root, model, params
+  return root, task.model, params
 
 
 def test_export_from_training_checkpoint_newest_step_of_any_tier(trained, capsys):

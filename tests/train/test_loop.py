@@ -99,7 +99,7 @@ def test_sample_bad_input_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_a_failed_set_up_leaks_no_thread_file_or_manager(tmp_path):
-  """Three runs that fail after the metrics writer and the checkpoint managers were opened (init_from a
+  """Runs that fail after the metrics writer and the checkpoint managers were opened (init_from a
   directory without checkpoints) leave no TensorBoard thread, event file or Orbax thread behind."""
   import threading
   cfg = tiny_config(train=dict(steps=2), checkpoint=dict(init_from=str(tmp_path / "nothing")))
@@ -115,7 +115,7 @@ def test_a_failed_set_up_leaks_no_thread_file_or_manager(tmp_path):
 
   attempt()  # the first one loads whatever a first run loads once (thread pools)
   threads, files = threading.active_count(), open_files()
-  for _ in range(3):
+  for _ in range(2):
     attempt()
   assert threading.active_count() == threads
   leaked = {f for f in open_files() - files if str(tmp_path) in f}
@@ -124,8 +124,10 @@ def test_a_failed_set_up_leaks_no_thread_file_or_manager(tmp_path):
 
 def test_progress_bar_is_rate_limited(tmp_path, capfd):
   """log_every=1 must not redraw the bar on every step (a notebook keeps every redraw as a line)."""
-  cfg = tiny_config(train=dict(steps=40, log_every=1), mesh=dict(data=1))
+  import time
+  cfg = tiny_config(train=dict(steps=60, log_every=1), mesh=dict(data=1))
+  start = time.perf_counter()
   jaxtrain.train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=True)
-  err = capfd.readouterr().err
-  redraws = err.count("\r")
-  assert 1 <= redraws <= 15, redraws
+  seconds = time.perf_counter() - start
+  redraws = capfd.readouterr().err.count("\r")
+  assert 1 <= redraws <= seconds / loop.PROGRESS_INTERVAL_S + 3 and redraws < 60, (redraws, seconds)
