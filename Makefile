@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny.py
 WORKDIR ?= runs/tiny
 PYTEST_ARGS ?= -m "not slow"
+# The default suite runs on two workers, a test file each (its module fixtures once): most of its time is
+# single-threaded XLA compilation. The slow runs (multi-process, timed) run alone: XDIST= .
+XDIST ?= -n 2 --dist loadfile
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +23,7 @@ train: setup
 	$(PY) -m jaxtrain train --config=$(CONFIG) --workdir=$(WORKDIR)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q -m ""

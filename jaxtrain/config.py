@@ -271,7 +271,8 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _validate_floats(cfg)
   _validate_optim(o)
   if o.warmup_steps >= t.steps and t.steps > 1:
-    raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}")
+    raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}: add "
+                      f"--config.optim.warmup_steps={max(t.steps // 10, 0)}")
   return shape
 
 

@@ -27,6 +27,7 @@ def run(tmp_path, name, reduce_axis):
   return rows, jax.device_get(state.params), state.opt_state
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_explicit_sum_over_data_equals_the_implicit_reduction(tmp_path):
   implicit, p_implicit, _ = run(tmp_path, "implicit", "")
   explicit, p_explicit, opt_state = run(tmp_path, "explicit", "data")

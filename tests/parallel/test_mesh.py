@@ -13,7 +13,6 @@ from tests.fixtures import Batches, tiny_config
 
 MESHES = [  # (mesh sizes, rules preset)
     (dict(data=1), "dp"),
-    (dict(data=8), "dp"),
     (dict(data=2, fsdp=4), "fsdp"),
     (dict(data=1, fsdp=2, tensor=4), "fsdp_tp"),
     (dict(data=2, fsdp=2, tensor=2), "fsdp_tp"),

@@ -111,6 +111,7 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, name):
   assert not os.path.exists(tmp_path / "plot.png")
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_a_trained_run(tmp_path, cfg):
   """The real loop's metrics.jsonl: the plotted losses and floors, and compare's final row, are its values."""
   cfg.train.update(steps=3, eval_every=2)

@@ -72,6 +72,7 @@ def test_rollback_restores_the_last_good_checkpoint_and_skips_the_bad_batches(tm
   assert losses[16]["skipped_steps"] == 2 and losses[16]["consecutive_skips"] == 0
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_rollback_without_a_checkpoint_stops(tmp_path):
   cfg = tiny_config(train=dict(steps=12), optim=dict(max_consecutive_skips=2, on_divergence="rollback"))
   with pytest.raises(errors.Diverged, match="no checkpoint to roll back to"):
@@ -79,6 +80,7 @@ def test_rollback_without_a_checkpoint_stops(tmp_path):
                    sync_every_step=True)
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_cli_diverged_run_exits_4_with_one_line(tmp_path, capsys):
   from jaxtrain.__main__ import main
   from tests.fixtures import ROOT

@@ -5,6 +5,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 
 import jaxtrain
 from jaxtrain import metrics
@@ -16,6 +17,7 @@ def config(**mesh):
                      mesh=dict(rules="fsdp", **{"data": 1, "fsdp": 1, **mesh}))
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_restore_on_another_mesh_and_device_count_continues_the_same_run(tmp_path):
   original = str(tmp_path / "original")
   jaxtrain.train(config(data=2, fsdp=4), original, progress=False, sync_every_step=True)

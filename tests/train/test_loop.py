@@ -48,6 +48,7 @@ def test_train_writes_metrics_and_resumes_bitwise(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, final_params(straight), final_params(resumed))
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_sample_continues_prompt(tmp_path):
   cfg = tiny_config(train=dict(steps=2), mesh=dict(data=1))
   cfg.mesh.data = 8

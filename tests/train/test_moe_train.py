@@ -92,6 +92,7 @@ def imbalance_over_training(aux_weight: float, bias_rate: float, steps: int = 60
   return imbalance[0], float(np.mean(imbalance[-5:]))
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_balancing_loss_and_expert_bias_each_reduce_imbalance():
   # each against a control run at the same learning rate with neither mechanism
   for aux_weight, bias_rate, lr in [(1.0, 0.0, 1e-3), (0.0, 5e-3, 3e-4)]:

@@ -1,3 +1,4 @@
+import pytest
 """SIGTERM saves and exits with status 3; rerunning the same command continues from that step."""
 
 import os
@@ -19,6 +20,7 @@ def command(workdir):
           "--config.model.d_ff=64", "--config.optim.warmup_steps=1", "--no_sample"]
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 def test_sigterm_saves_exits_3_and_the_rerun_resumes(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = ROOT

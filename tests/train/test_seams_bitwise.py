@@ -15,6 +15,7 @@ def runs(tmp_path_factory):
   return tmp, ref.configs(tmp)
 
 
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 @pytest.mark.parametrize("name", ["tiny", "moe_tiny", "text_tiny"])
 def test_losses_bitwise_equal_to_before_the_seams(runs, name):
   with open(ref.FIXTURE) as f:
