@@ -174,7 +174,7 @@ def default_config() -> ml_collections.ConfigDict:
   k.adaptive_max_steps = 200
   k.adaptive_spike = 0.1  # a loss above (1 + spike) x its running median is unstable
   k.ocdbt = True  # Orbax's OCDBT key-value store (few files; best on object stores); False: a zarr dir per array
-  k.compress = False  # zstd on the arrays: barely smaller for trained float weights, much slower (benchmarks/RESULTS.md)
+  k.compress = False  # zstd on the arrays: barely smaller for trained weights, much slower (benchmarks/RESULTS.md)
   k.init_from = ""  # start from the params of another checkpoint (a converted HF model, a run dir)
 
   c.sample = s = ml_collections.ConfigDict()

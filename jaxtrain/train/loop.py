@@ -253,7 +253,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
         log.window_start += result["eval_time_s"]
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if show:
-          bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in result.items() if k != "eval_time_s"))
+          shown = {k: v for k, v in result.items() if k != "eval_time_s"}
+          bar.write(f"step {step + 1}: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items()))
       step += 1
       if preemption.check(step):
         pending = (*pending[:2], True, pending[3])
@@ -266,7 +267,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
       ckpts.check()  # errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row
     if pending is not None:
       if _health(pending[1])["consecutive_skips"] >= o.max_consecutive_skips:
-        _rollback(cfg, ckpts, task, tx, mesh, pending[0], o.max_rollbacks)  # raises Diverged
+        raise errors.Diverged(f"training diverged: the last {o.max_consecutive_skips} updates up to step "
+                              f"{pending[0]} were not finite (optim.max_consecutive_skips); lower optim.lr")
       last.update(log.step(pending))
 
     # ---- the end (also after a preemption): a forced save to the persistent tier ----

@@ -49,7 +49,8 @@ def test_no_attention_across_documents():
   np.testing.assert_array_equal(m.apply({"params": params}, other, pos, seg)[:, 6:], packed[:, 6:])
 
 
-@pytest.mark.parametrize("remat", [pytest.param("dots", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)])
+@pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
+@pytest.mark.parametrize("remat", ["dots", "full"])
 def test_remat_equals_no_remat(remat):
   m, params, tokens = make()
   m2, params2, _ = make(remat=remat)
