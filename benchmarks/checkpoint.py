@@ -92,7 +92,7 @@ def main():
   state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
   batches = lambda index: feed.batch(source, index)
-  ckpts = checkpoint.Checkpoints(cfg, root)
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, root)
   abstract = state_lib.abstract_state(task, tx)
   rows = []  # per repeat: step, blocking, save end-to-end, disk write, restore, disk read (seconds, bytes/s)
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):

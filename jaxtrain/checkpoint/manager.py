@@ -178,9 +178,9 @@ class Checkpoints:
   """The tiers of one run: `save` (each tier by its policy, or forced), `restore` (newest complete
   step of any tier), `finished_saves` (records of saves Orbax has finalized since the last call)."""
 
-  def __init__(self, cfg, workdir: str, *, read_only: bool = False):
+  def __init__(self, k, workdir: str, *, read_only: bool = False):
+    """`k`: the `checkpoint` config section (ConfigDict)."""
     _quiet_orbax()
-    k = cfg.checkpoint
     dirs = tier_dirs(k, workdir)
     self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
     self._max_failed = 0 if read_only else k.max_failed_saves
@@ -388,9 +388,9 @@ class Checkpoints:
           tier.manager.delete(s)
 
 
-def remove_tiers(cfg, workdir: str) -> None:
-  """Deletes every tier's checkpoints (start over)."""
-  for directory in tier_dirs(cfg.checkpoint, workdir).values():
+def remove_tiers(k, workdir: str) -> None:
+  """Deletes every tier's checkpoints (start over) of the `checkpoint` config section `k`."""
+  for directory in tier_dirs(k, workdir).values():
     path = epath.Path(_abs(directory))
     if path.exists():
       if "://" in directory:

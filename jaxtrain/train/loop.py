@@ -196,7 +196,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     # ---- sinks and state: restored from the newest complete checkpoint of any tier, or born sharded ----
     writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     stack.callback(writer.close)
-    ckpts = checkpoint.Checkpoints(cfg, workdir)
+    ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir)
     stack.callback(ckpts.close)
     meta = checkpoint_meta(cfg, workdir)
     if ckpts.latest()[0] is not None:

@@ -24,8 +24,8 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
   if start_over:
     if jax.process_index() == 0:
       if os.path.isfile(saved_path):
-        checkpoint.remove_tiers(load_config(workdir), workdir)
-      checkpoint.remove_tiers(cfg, workdir)
+        checkpoint.remove_tiers(load_config(workdir).checkpoint, workdir)
+      checkpoint.remove_tiers(cfg.checkpoint, workdir)
       for name in ("metrics.jsonl", "tb", "config.json"):
         path = os.path.join(workdir, name)
         if os.path.isdir(path):
@@ -49,7 +49,7 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
 def newest_stored_config(configs, workdir: str, saved=None) -> dict | None:
   """The config stored with the newest step of any tier of `configs` (the step's `meta` item; `saved`, the
   config.json, for a step without one), or None when no tier holds a step."""
-  probes = [checkpoint.Checkpoints(c, workdir, read_only=True) for c in configs]
+  probes = [checkpoint.Checkpoints(c.checkpoint, workdir, read_only=True) for c in configs]
   try:
     found = [p.latest() for p in probes]
     found = [(step, tier) for step, tier in found if step is not None]

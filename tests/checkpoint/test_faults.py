@@ -142,7 +142,8 @@ def test_a_failed_final_save_ends_the_run_with_save_failed(tmp_path, monkeypatch
 def test_timed_and_adaptive_saves_go_on_after_a_save_failed_in_its_blocking_part(tmp_path, monkeypatch, capfd, policy):
   """Orbax's saving-in-progress flag stays set after such a failure; these policies must not read it."""
   disk = Disk(tmp_path, "directory", monkeypatch)
-  ckpts = checkpoint.Checkpoints(tiny_config(checkpoint=dict(dir=disk.directory, **policy)), str(tmp_path / "run"))
+  ckpts = checkpoint.Checkpoints(tiny_config(checkpoint=dict(dir=disk.directory, **policy)).checkpoint,
+                                 str(tmp_path / "run"))
   tree = {"w": jax.numpy.arange(4.0)}
   for step in (1, 2, 3):  # step 1 also lets Orbax finish its start-up cleanup, which a fault would poison
     disk.fail(step == 2)
@@ -161,7 +162,7 @@ def test_timed_and_adaptive_saves_go_on_after_a_save_failed_in_its_blocking_part
 def test_an_adaptive_save_that_failed_is_retried_one_interval_later(tmp_path, monkeypatch, capfd):
   disk = Disk(tmp_path, "directory", monkeypatch)
   cfg = tiny_config(checkpoint=dict(dir=disk.directory, adaptive=True, adaptive_min_steps=2, adaptive_max_steps=2))
-  ckpts = checkpoint.Checkpoints(cfg, str(tmp_path / "run"))
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, str(tmp_path / "run"))
   for step in range(1, 9):
     disk.fail(step == 4)
     if ckpts.due(step):
@@ -176,7 +177,7 @@ def test_an_adaptive_save_that_failed_is_retried_one_interval_later(tmp_path, mo
 def test_what_orbax_leaves_after_a_failed_save_is_not_printed(tmp_path, capfd):
   """Measured on a full 64 KiB tmpfs: Orbax's other writes outlive the failed commit; asyncio reports their futures
   (never retrieved, no traceback) and TensorStore's callbacks find Orbax's event loop closed (unraisable)."""
-  checkpoint.Checkpoints(tiny_config(), str(tmp_path), read_only=True).close()  # installs the filters
+  checkpoint.Checkpoints(tiny_config().checkpoint, str(tmp_path), read_only=True).close()  # installs the filters
   full = ValueError('RESOURCE_EXHAUSTED: Error writing "params.embed/0.0" in OCDBT database at local file '
                     '"/ckpt/4.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": '
                     'No space left on device')

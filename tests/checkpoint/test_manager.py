@@ -40,7 +40,7 @@ def final_params(workdir):
   cfg = workdir_lib.load_config(workdir)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1, rules="fsdp")
   mesh, task, tx, _ = loop.build(cfg, workdir)
-  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
   state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return int(state.step), jax.device_get(state.params)
@@ -140,7 +140,7 @@ def test_adaptive_policy_saves_often_while_unstable_and_rarely_while_calm():
 def test_the_step_saved_before_a_spike_is_kept_and_is_the_latest_good_one(tmp_path):
   """keep=1 alone would delete it; the adaptive policy marks it good (calm before it and at the step after it)."""
   cfg = tiny_config(checkpoint=dict(adaptive=True, adaptive_min_steps=2, adaptive_max_steps=2, keep=1))
-  ckpts = checkpoint.Checkpoints(cfg, str(tmp_path))
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, str(tmp_path))
   tree = lambda step: {"w": jnp.arange(4.0) + step}  # noqa: E731
   listed = lambda: sorted(ckpts.tiers[0].manager.all_steps())  # noqa: E731
   for step in range(1, 15):
@@ -159,7 +159,7 @@ def test_the_step_saved_before_a_spike_is_kept_and_is_the_latest_good_one(tmp_pa
   state = ckpts.restore(abstract, {"w": sharding}, ckpts.latest_good())[0]
   np.testing.assert_array_equal(state["w"], tree(12)["w"])
   ckpts.close()
-  plain = checkpoint.Checkpoints(tiny_config(), str(tmp_path / "plain"))
+  plain = checkpoint.Checkpoints(tiny_config().checkpoint, str(tmp_path / "plain"))
   assert plain.latest_good() is None  # no adaptive policy: nothing tells calm from unstable
   plain.close()
 

@@ -21,7 +21,7 @@ def run(tmp_path, name, reduce_axis):
   jaxtrain.train(cfg, workdir, progress=False, sync_every_step=True)
   rows = [r for r in metrics.read_metrics(workdir) if "loss" in r]
   mesh, task, tx, _ = loop.build(cfg, workdir)
-  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
   state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return rows, jax.device_get(state.params), state.opt_state

@@ -18,7 +18,7 @@ KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s
 def final_params(workdir):
   cfg = workdir_lib.load_config(workdir)
   mesh, task, tx, _ = loop.build(cfg, workdir)
-  ckpts = checkpoint.Checkpoints(cfg, workdir, read_only=True)
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
   state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return jax.device_get(state.params)

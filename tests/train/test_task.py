@@ -80,7 +80,7 @@ def test_a_pairwise_task_trains_on_a_2x4_mesh_without_touching_train(tmp_path):
   # the parameters really are split over fsdp: [layers, embed -> fsdp, mlp]
   mesh, _, tx, _ = jaxtrain.train.loop.build(cfg, str(tmp_path), task=task)
   from jaxtrain import checkpoint
-  ckpts = checkpoint.Checkpoints(cfg, str(tmp_path), read_only=True)
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, str(tmp_path), read_only=True)
   state = jaxtrain.train.loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   assert tuple(state.params["layers"]["mlp"]["up"].sharding.spec)[:2] == (None, "fsdp")
