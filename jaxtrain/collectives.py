@@ -64,3 +64,21 @@ def vary(tree, axes: tuple[str, ...]):
   """Marks a replicated value as varying over manual `axes`, so that its cotangent is summed over them
   where it is cast (in the value's dtype) rather than later."""
   return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
+
+
+def all_gather(x, axis: str):
+  """Every shard's `x` concatenated along dimension 0, the same on every shard of `axis` (invariant)."""
+  try:
+    return jax.lax.all_gather(x, axis, tiled=True, to="invarying")
+  except TypeError:  # a jax without the `to` argument: all_gather_invariant
+    return jax.lax.all_gather_invariant(x, axis, tiled=True)
+
+
+def pmax(tree, axes: tuple[str, ...]):
+  """Maximum over the shards of mesh `axes` (a no-op for no axes)."""
+  return jax.lax.pmax(tree, axes) if axes else tree
+
+
+def axis_index(axis: str):
+  """This shard's index along manual mesh axis `axis` (0 outside any shard_map)."""
+  return jax.lax.axis_index(axis) if axis in manual_axes() else 0

@@ -14,7 +14,8 @@ import ml_collections
 # Flax resolves rules in order and skips a mesh axis a dimension already uses, so an activation
 # [batch, seq, embed] gets fsdp on batch only, while a [vocab, embed] weight gets it on embed.
 DATA_AXES = ("replica", "data", "fsdp", "expert")
-_BATCH = [("batch", DATA_AXES), ("replica", "replica")]  # "replica": one copy of a state per replica
+# "replica", "data_shards": one copy of a state per shard of that mesh axis (optimizer buffers)
+_BATCH = [("batch", DATA_AXES), ("replica", "replica"), ("data_shards", "data")]
 _FSDP = [("embed", "fsdp")]
 _EP = [("expert", "expert")]  # experts over the expert axis; tokens travel to them by all-to-all
 _TP = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
@@ -38,6 +39,8 @@ DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "arrayrecord", "hf")
 PACKINGS = ("first_fit", "best_fit")
 BAD_UTF8 = ("repair", "skip")
 DTYPES = ("float32", "bfloat16")
+COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
+ERROR_FEEDBACK = ("none", "ef", "ef21")
 MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
 
 
@@ -148,6 +151,23 @@ def default_config() -> ml_collections.ConfigDict:
   # name = the step computes each shard's gradient over that data axis and the optimizer chain reduces
   # them explicitly (jaxtrain/optim/reduce.py), the seam for compressed reductions.
   o.reduce_axis = ""
+
+  # Communication-efficient training over one slow mesh axis (jaxtrain/optim/compress.py, diloco.py).
+  c.comm = cm = ml_collections.ConfigDict()
+  cm.axis = "replica"  # the slow axis whose gradient reduction is compressed (the fast axes stay float32)
+  cm.format = "f32"  # one of COMM_FORMATS; f32 with error_feedback=none is plain data parallelism
+  cm.block = 256  # int8/int4 (and diloco.format): elements per absmax scale; even
+  cm.error_feedback = "none"  # one of ERROR_FEEDBACK: none, ef (residual into the next step), ef21
+
+  c.diloco = dl = ml_collections.ConfigDict()
+  dl.inner_steps = 0  # H: inner steps per replica between syncs over comm.axis; 0 = off (data parallel)
+  dl.outer_lr = 0.7
+  dl.outer_momentum = 0.9  # Nesterov
+  dl.format = "f32"  # one of COMM_FORMATS: the outer gradients' format on the wire
+  dl.fragments = 1  # P: streaming DiLoCo syncs 1/P of the parameters every H/P steps, staggered
+  dl.delay = 0  # tau: a fragment's average is applied tau inner steps after it was sent (overlap)
+  dl.mix = 0.5  # with delay: local = mix * local + (1 - mix) * new global for the fragment
+  dl.drop_prob = 0.0  # simulation: each replica misses each sync with this probability (left out, rejoins)
 
   c.mesh = x = ml_collections.ConfigDict()
   x.replica = 1
@@ -270,6 +290,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _validate_checkpoint(cfg.checkpoint)
   _validate_floats(cfg)
   _validate_optim(o)
+  _validate_comm(cfg.comm, cfg.diloco, o, m, shape)
   if o.warmup_steps >= t.steps and t.steps > 1:
     raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be below train.steps={t.steps}: add "
                       f"--config.optim.warmup_steps={max(t.steps // 10, 0)}")
@@ -285,6 +306,8 @@ FLOAT_RANGES = {
     "optim.grad_clip": (0.0, math.inf, True), "optim.min_lr_ratio": (0.0, 1.0, True),
     "optim.decay_fraction": (0.0, 1.0, True), "train.z_loss": (0.0, math.inf, True),
     "data.eval_fraction": (0.0, 1.0, True), "sample.temperature": (0.0, math.inf, True),
+    "diloco.outer_lr": (0.0, math.inf, False), "diloco.outer_momentum": (0.0, 1.0, True),
+    "diloco.mix": (0.0, 1.0, True), "diloco.drop_prob": (0.0, 1.0, True),
 }
 
 
@@ -306,6 +329,45 @@ def _validate_optim(o):
     raise ConfigError("optim.max_consecutive_skips must be >= 1 and optim.max_rollbacks >= 0")
   if o.reduce_axis not in ("", "replica", "data"):
     raise ConfigError(f"optim.reduce_axis: unknown value {o.reduce_axis!r}; choose '' (implicit), replica or data")
+
+
+def compressing(cfg) -> bool:
+  """Whether the gradient reduction over comm.axis is anything but plain float32 data parallelism."""
+  return cfg.comm.format != "f32" or cfg.comm.error_feedback != "none"
+
+
+def manual_axis(cfg) -> str:
+  """The mesh axis the train step runs manual over ("" = none): comm.axis when compressing or running
+  DiLoCo, else optim.reduce_axis."""
+  return cfg.comm.axis if compressing(cfg) or cfg.diloco.inner_steps else cfg.optim.reduce_axis
+
+
+def _validate_comm(cm, dl, o, m, shape):
+  _check_choice("comm.axis", cm.axis, ("replica", "data"))
+  _check_choice("comm.format", cm.format, COMM_FORMATS)
+  _check_choice("comm.error_feedback", cm.error_feedback, ERROR_FEEDBACK)
+  _check_choice("diloco.format", dl.format, COMM_FORMATS)
+  if cm.block < 2 or cm.block % 2:
+    raise ConfigError(f"comm.block={cm.block} must be a positive even number (int4 packs two values per byte)")
+  on = cm.format != "f32" or cm.error_feedback != "none" or dl.inner_steps
+  if on and shape[cm.axis] < 2:
+    raise ConfigError(f"comm: the {cm.axis} axis has size {shape[cm.axis]}; compression and DiLoCo need at least 2 "
+                      f"(set --config.mesh.{cm.axis}=N)")
+  if on and o.reduce_axis and o.reduce_axis != cm.axis:
+    raise ConfigError(f"optim.reduce_axis={o.reduce_axis!r} differs from comm.axis={cm.axis!r}")
+  if dl.inner_steps < 0:
+    raise ConfigError(f"diloco.inner_steps must be >= 0 (0 = off), got {dl.inner_steps}")
+  if not dl.inner_steps:
+    return
+  if cm.format != "f32" or cm.error_feedback != "none":
+    raise ConfigError("comm.format/comm.error_feedback compress per-step gradients, which DiLoCo does not send: "
+                      "set diloco.format instead")
+  if not 1 <= dl.fragments <= m.n_layers:
+    raise ConfigError(f"diloco.fragments={dl.fragments} must be in [1, model.n_layers={m.n_layers}]")
+  if dl.inner_steps % dl.fragments:
+    raise ConfigError(f"diloco.fragments={dl.fragments} must divide diloco.inner_steps={dl.inner_steps}")
+  if not 0 <= dl.delay < dl.inner_steps:
+    raise ConfigError(f"diloco.delay={dl.delay} must be in [0, diloco.inner_steps={dl.inner_steps})")
 
 
 def _validate_checkpoint(k):

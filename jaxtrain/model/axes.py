@@ -28,6 +28,7 @@ MLP = "mlp"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
-REPLICA = "replica"  # one copy per replica (TrainState.replica_state): the replica mesh axis in every preset
+REPLICA = "replica"  # one copy per replica (optimizer buffers of DiLoCo, error feedback): the replica mesh axis
+DATA_SHARDS = "data_shards"  # one copy per shard of the data mesh axis (error feedback with comm.axis=data)
 
-ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, REPLICA)
+ALL = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, REPLICA, DATA_SHARDS)

@@ -3,7 +3,8 @@
 import jax
 import optax
 
-from jaxtrain.optim import reduce
+from jaxtrain.optim import compress, reduce
+from jaxtrain.optim.diloco import diloco as diloco_transform
 from jaxtrain.optim.guard import skip_nonfinite
 from jaxtrain.optim.schedules import make_schedule
 
@@ -36,9 +37,11 @@ def muon_dims(params):
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
-def build(o, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """From the `optim` config section and the run's length: [explicit reduction ->] skip non-finite
-  (clip -> AdamW | Muon with the schedule)."""
+def build(o, steps: int, comm=None, diloco=None, shards: int = 1,
+          seed: int = 0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """From the `optim` config section and the run's length: [explicit or compressed reduction ->] skip
+  non-finite (clip -> AdamW | Muon with the schedule); with the `diloco` section on, DiLoCo around that
+  as its inner optimizer. `comm`, `diloco`: those config sections; `shards`: the size of comm.axis."""
   schedule = make_schedule(o, steps)
   if o.name == "adamw":
     inner = optax.adamw(schedule, o.b1, o.b2, o.eps, weight_decay=o.weight_decay, mask=decay_mask)
@@ -51,6 +54,13 @@ def build(o, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
   tx = optax.chain(*parts, inner)
   if o.skip_nonfinite:  # counted in the state, read by name: `total_notfinite`, `consecutive_skips`
     tx = skip_nonfinite(tx)
-  if o.reduce_axis:  # before the finiteness check: every shard must take the same decision
+  if diloco is not None and diloco.inner_steps:  # each replica skips its own non-finite steps
+    d = diloco
+    tx = diloco_transform(tx, axis=comm.axis, shards=shards, inner_steps=d.inner_steps, outer_lr=d.outer_lr,
+                          outer_momentum=d.outer_momentum, fmt=d.format, block=comm.block, fragments=d.fragments,
+                          delay=d.delay, mix=d.mix, drop_prob=d.drop_prob, seed=seed)
+  elif comm is not None and (comm.format != "f32" or comm.error_feedback != "none"):
+    tx = optax.chain(compress.compressed_sum(comm.axis, shards, comm.format, comm.block, comm.error_feedback), tx)
+  elif o.reduce_axis:  # before the finiteness check: every shard must take the same decision
     tx = optax.chain(reduce.sum_over(o.reduce_axis), tx)
   return tx, schedule

@@ -34,10 +34,12 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
       return keep(new_updates, optax.tree.zeros_like(new_updates)), keep(new_inner, state.inner_state), ok
 
-    def reject(_):
-      return optax.tree.zeros_like(updates), state.inner_state, jnp.array(False)
+    finite = _finite(updates)
 
-    updates, inner_state, ok = jax.lax.cond(_finite(updates), apply, reject, None)
+    def reject(_):  # `finite` (False here) rather than a constant: it varies like the gradient in a shard_map
+      return optax.tree.zeros_like(updates), state.inner_state, finite
+
+    updates, inner_state, ok = jax.lax.cond(finite, apply, reject, None)
     skipped = jnp.logical_not(ok).astype(jnp.int32)
     return updates, SkipState(inner_state, (state.consecutive_skips + skipped) * skipped,
                               state.total_notfinite + skipped)

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import tqdm.auto
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
 from jaxtrain.train import lock, peers, state as state_lib
@@ -28,7 +29,8 @@ def build(cfg, workdir: str = "", devices=None, task=None):
   """Mesh, task (default: language modeling), optimizer and schedule for a validated config."""
   mesh = parallel.make_mesh(cfg.mesh, devices)
   task = LanguageModel(cfg, workdir) if task is None else task
-  tx, schedule = optim.build(cfg.optim, cfg.train.steps)
+  tx, schedule = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh.shape[cfg.comm.axis],
+                             cfg.train.seed)
   return mesh, task, tx, schedule
 
 
@@ -42,13 +44,39 @@ def peak_flops_total(cfg) -> tuple[float, str]:
 def compile_steps(cfg, mesh, task, tx, schedule, shardings):
   """The train and eval steps, jitted once with explicit shardings; the state is donated."""
   batch_sh = parallel.batch_sharding(mesh)
+  axis = config_lib.manual_axis(cfg)
   step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics, update_extra=task.update_extra,
-                         microbatches=cfg.train.microbatches, reduce_axis=cfg.optim.reduce_axis)
+                         microbatches=cfg.train.microbatches, reduce_axis=axis,
+                         state_specs=manual_specs(shardings, axis), local_metrics=per_replica_metrics(cfg))
   train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
   eval_fn = jax.jit(task.eval_sums, in_shardings=(shardings.params, shardings.extra, shardings.task_state,
                                                   batch_sh))
   return train_fn, eval_fn
+
+
+def manual_specs(shardings, axis: str):
+  """The shard_map specs of the state for a step manual over `axis`: a leaf laid on `axis` (a per-shard
+  optimizer buffer) enters as its own shard, everything else whole."""
+  def spec(sharding):
+    keep = lambda e: e if e == axis or (isinstance(e, tuple) and axis in e) else None
+    return P(*(keep(e) for e in sharding.spec))
+  return jax.tree.map(spec, shardings)
+
+
+def per_replica_metrics(cfg) -> bool:
+  """DiLoCo's inner steps send nothing over comm.axis, metrics included: each replica's come back."""
+  return bool(cfg.diloco.inner_steps)
+
+
+def read_metrics(step_metrics, per_replica: bool) -> dict:
+  """A step's metrics on the host; per-replica ones (a leading axis of one entry per replica) reduced:
+  the worst for the skip counters, the mean for the rest."""
+  values = jax.device_get(step_metrics)
+  if not per_replica:
+    return values
+  worst = ("skipped_steps", "consecutive_skips")
+  return {k: np.max(v, axis=0) if k in worst else np.mean(v, axis=0) for k, v in values.items()}
 
 
 def evaluate(eval_fn, state, feed, task, n: int) -> dict:
@@ -101,8 +129,9 @@ class Log:
   """Rows of metrics.jsonl and the progress bar. A step's metrics are read one step late (after the
   next step was dispatched), so the loop never waits on the device for them."""
 
-  def __init__(self, writer, bar, constants: dict, task, peak: float):
+  def __init__(self, writer, bar, constants: dict, task, peak: float, per_replica: bool = False):
     self.writer, self.bar, self.constants, self.peak = writer, bar, constants, peak
+    self.per_replica = per_replica
     self.tokens, self.flops = task.tokens_per_batch, task.flops_per_token
     self.restart_window()
 
@@ -118,7 +147,7 @@ class Log:
     if not due:
       return {}
     values = {**{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
-                 for k, v in jax.device_get(step_metrics).items()}, **extra}
+                 for k, v in read_metrics(step_metrics, self.per_replica).items()}, **extra}
     step_time = (time.perf_counter() - self.window_start) / max(self.window_steps, 1)
     row = {**values, "step_time_s": step_time, **self.constants}
     if self.tokens:
@@ -131,10 +160,10 @@ class Log:
     return row
 
 
-def _health(step_metrics) -> dict:
+def _health(step_metrics, per_replica: bool) -> dict:
   """The few scalars read every step: the save policy's warning signs and the divergence counter."""
   keys = ("loss", "grad_norm", "skipped_steps", "consecutive_skips")
-  return {k: float(v) for k, v in jax.device_get({k: step_metrics[k] for k in keys}).items()}
+  return {k: float(v) for k, v in read_metrics({k: step_metrics[k] for k in keys}, per_replica).items()}
 
 
 def _rollback(cfg, ckpts, task, tx, mesh, step: int, rollbacks: int):
@@ -216,7 +245,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     peak, peak_source = peak_flops_total(cfg)
     bar = stack.enter_context(tqdm.auto.tqdm(total=t.steps, initial=start, disable=not show, dynamic_ncols=True,
                                              mininterval=PROGRESS_INTERVAL_S))
-    log = Log(writer, bar, constants, task, peak)
+    per_replica = per_replica_metrics(cfg)
+    log = Log(writer, bar, constants, task, peak, per_replica)
     last, pending, rollbacks = {}, None, 0
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
@@ -228,7 +258,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:
-        health = _health(pending[1])  # the previous step's, read while this one runs
+        health = _health(pending[1], per_replica)  # the previous step's, read while this one runs
         if adaptive:
           _log_decisions(log, pending[0], ckpts.observe(pending[0], health["loss"], health["grad_norm"],
                                                         health["skipped_steps"]))
@@ -266,7 +296,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
         log.event(record.step, record.row())
       ckpts.check()  # errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row
     if pending is not None:
-      if _health(pending[1])["consecutive_skips"] >= o.max_consecutive_skips:
+      if _health(pending[1], per_replica)["consecutive_skips"] >= o.max_consecutive_skips:
         raise errors.Diverged(f"training diverged: the last {o.max_consecutive_skips} updates up to step "
                               f"{pending[0]} were not finite (optim.max_consecutive_skips); lower optim.lr")
       last.update(log.step(pending))

@@ -44,32 +44,39 @@ def accumulate_gradients(loss_fn, state: TrainState, batch, microbatches: int):
 
 
 def read_counter(opt_state, name: str):
-  """An optimizer-state field found by name anywhere in the (possibly wrapped) chain; 0 if absent."""
-  return optax.tree_utils.tree_get(opt_state, name, jnp.zeros((), jnp.int32))
+  """An optimizer-state field found by name anywhere in the (possibly wrapped) chain; 0 if absent. Inside
+  DiLoCo it is this replica's own entry (a leading axis of one)."""
+  return jnp.max(optax.tree_utils.tree_get(opt_state, name, jnp.zeros((), jnp.int32)))
 
 
 def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metrics_fn, update_extra=None,
-                    microbatches: int = 1, reduce_axis: str = ""):
+                    microbatches: int = 1, reduce_axis: str = "", state_specs=P(), local_metrics: bool = False):
   """`train_step(state, batch) -> (state, metrics)`, pure; the loop jits it once.
 
   `metrics_fn(sums, parts)` and `update_extra(extra, sums, parts)` (non-trainable state moved outside
   the optimizer) receive the sums over the whole batch, with "count" at least 1, and the number of
   parts they were added from (microbatches x data shards), to turn summed means back into means.
   With `reduce_axis`, the step runs manual over that mesh axis: each shard differentiates its own rows
-  and `tx` (whose first transformation reduces over the axis) sees the shards' gradients."""
+  and `tx` (whose first transformation reduces over the axis) sees the shards' gradients; `state_specs`
+  (a prefix of the state) lays per-shard leaves of the state on the axis (their leading dimension).
+  When `tx`'s state holds `local_params` (DiLoCo: one copy per shard), the loss is taken there, and with
+  `local_metrics` nothing is reduced over the axis: each metric comes back per shard, with a leading
+  axis of one entry per shard (the loop averages them on the host)."""
   shards = lambda: collectives.axis_size(reduce_axis) if reduce_axis else 1
 
   def train_step(state: TrainState, batch):
     # Per-shard gradients: params marked varying over the axis, else shard_map's autodiff would sum the
     # gradient of these replicated params over it by itself (a full-width psum no transformation sees).
-    local = state.replace(params=collectives.vary(state.params, (reduce_axis,) if reduce_axis else ()))
-    grads, sums = accumulate_gradients(loss_fn, local, batch, microbatches)
-    sums = collectives.psum(sums, (reduce_axis,) if reduce_axis else ())
+    axes = (reduce_axis,) if reduce_axis else ()
+    at = optax.tree_utils.tree_get(state.opt_state, "local_params", None)
+    at = collectives.vary(state.params, axes) if at is None else jax.tree.map(lambda x: x[0], at)
+    grads, sums = accumulate_gradients(loss_fn, state.replace(params=at), batch, microbatches)
+    sums = sums if local_metrics else collectives.psum(sums, axes)
     sums["count"] = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree.map(lambda g: g / sums["count"], grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    parts = microbatches * shards()
+    parts = microbatches * (1 if local_metrics else shards())
     extra = state.extra if update_extra is None else update_extra(state.extra, sums, parts)
     grad_norm = optax.tree_utils.tree_get(opt_state, "grad_norm", None)  # set by an explicit reduction
     metrics = {
@@ -85,5 +92,11 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metr
 
   if not reduce_axis:
     return train_step
-  return lambda state, batch: collectives.shard_map(train_step, (reduce_axis,), in_specs=(P(), P(reduce_axis)),
-                                                    out_specs=(P(), P()))(state, batch)
+  if local_metrics:
+    per_shard = train_step
+    train_step = lambda state, batch: (lambda out: (out[0], jax.tree.map(lambda m: m[None], out[1])))(
+        per_shard(state, batch))
+  metrics_spec = P(reduce_axis) if local_metrics else P()
+  return lambda state, batch: collectives.shard_map(train_step, (reduce_axis,),
+                                                    in_specs=(state_specs, P(reduce_axis)),
+                                                    out_specs=(state_specs, metrics_spec))(state, batch)
