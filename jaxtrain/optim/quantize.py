@@ -7,7 +7,7 @@ float32 absmax scale per block, fp8 one scale for the whole call (agreed by the 
 bf16 and f32 none.
 
 Error bounds (round to nearest), per element x of a block with absmax a:
-  bf16  |x - q| <= 2^-9 |x|            fp8 (e4m3)  |x - q| <= 2^-4 |x| (normal range) + scale * 2^-10
+  bf16  |x - q| <= 2^-8 |x|            fp8 (e4m3)  |x - q| <= 2^-4 |x| (normal range) + scale * 2^-10
   int8  |x - q| <= a / 254             int4        |x - q| <= a / 14
 """
 
