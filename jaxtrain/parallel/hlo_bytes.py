@@ -161,14 +161,17 @@ def _replica_groups(attrs: str) -> list[list[int]]:
   return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
 
 
-def _iota(text: str) -> np.ndarray:
-  """`[2,4]<=[4,2]T(1,0)`: iota over the reshape dims, transposed, reshaped to the leading dims."""
-  m = re.fullmatch(r"(?:devices=)?\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
-  shape, dims = [[int(x) for x in g.split(",")] for g in m.groups()[:2]]
+def _iota(text: str) -> np.ndarray | None:
+  """`[2,4]<=[4,2]T(1,0)`: iota over the reshape dims [4,2], transposed, reshaped to the leading dims
+  (a mesh's device_ids print without them: `[4,2]T(1,0)`, flat). None for any other text."""
+  m = re.fullmatch(r"(?:devices=)?(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+  if not m:
+    return None
+  dims = [int(x) for x in m.group(2).split(",")]
   ids = np.arange(int(np.prod(dims))).reshape(dims)
   if m.group(3):
     ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-  return ids.reshape(shape)
+  return ids.reshape([int(x) for x in m.group(1).split(",")] if m.group(1) else -1)
 
 
 def _mesh_groups(attrs: str, m) -> list[list[int]]:
@@ -178,7 +181,8 @@ def _mesh_groups(attrs: str, m) -> list[list[int]]:
   if rest.startswith(", device_ids=("):
     end = _balanced(rest, len(", device_ids="))
     listed = rest[len(", device_ids=("):end - 1]
-    ids = _iota(listed).ravel() if "<=" in listed else np.array([int(x) for x in re.findall(r"\d+", listed)])
+    ids = _iota(listed)
+    ids = np.array([int(x) for x in re.findall(r"\d+", listed)]) if ids is None else ids.ravel()
     rest = rest[end:]
   grouped = {}  # mesh dim -> [(pre, size)] of the sub-axes named (a full axis: (1, its size))
   for axis in re.findall(r"('[^']*'|[^,{}\s:]+)(?::\((\d+)\)(\d+))?", re.match(r"\s*\{([^}]*)\}", rest).group(1)):

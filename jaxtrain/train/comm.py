@@ -119,8 +119,10 @@ def format_report(rep: dict) -> str:
   """An aligned table: mesh axes x dtype -> bytes per device per optimizer step, config and baseline."""
   config, base = rep["config"], rep["baseline"]
   table = [("axes", "dtype", "config", "f32 baseline")]
+  keys = sorted(k for k in set(config["by_axis"]) | set(base["by_axis"])
+                if config["by_axis"].get(k) or base["by_axis"].get(k))  # not groups of one device
   table += [(a, d, f"{config['by_axis'].get((a, d), 0):,.0f}", f"{base['by_axis'].get((a, d), 0):,.0f}")
-            for a, d in sorted(set(config["by_axis"]) | set(base["by_axis"]))]
+            for a, d in keys]
   table.append(("total", "", f"{config['total']:,.0f}", f"{base['total']:,.0f}"))
   widths = [max(len(row[i]) for row in table) for i in range(4)]
   lines = ["bytes per device per optimizer step (compiled HLO, ring algorithms)"]

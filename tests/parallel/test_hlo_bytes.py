@@ -109,6 +109,8 @@ GROUPS = "channel_id=1, {groups}, use_global_device_ids=true, to_apply=%add"
     ("replica_groups=mesh['a'=4,'b'=2] {'a'}", ("replica",), 4),
     ("replica_groups=mesh['a'=8] {'a':(4)2}", ("data",), 2),
     ("replica_groups=mesh['a'=4,'b'=2], device_ids=([4,2]<=[2,4]T(1,0)) {'b'}", ("replica",), 2),
+    # GSPMD's own, for moe_tiny on replica=2, data=2, expert=2: the mesh's device ids as a bare iota
+    ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_1'}", ("data",), 2),
 ])
 def test_every_replica_groups_form(groups, axes, size):
   text = HEADER + (f"  %p = f32[1024]{{0}} parameter(0)\n  ROOT %r = f32[1024]{{0}} all-reduce(%p), "
