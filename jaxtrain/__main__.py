@@ -1,4 +1,5 @@
-"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect} ... Parses flags, loads the config, calls the library.
+"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm} ...
+Parses flags, loads the config, calls the library.
 
 Bad flags and bad values end with one line on stderr and exit status 2."""
 
@@ -74,9 +75,15 @@ def parse(argv):
   inspect = sub.add_parser("inspect", help="a workdir's or tier's checkpoints, one step's tree and config")
   inspect.add_argument("dir", help="a workdir or checkpoint tier directory")
   inspect.add_argument("--step", type=int, default=None, metavar="N", help="the step to describe (default: the newest)")
+  comm = sub.add_parser("comm", help="bytes each device sends per optimizer step, by mesh axis and dtype, counted in "
+                                     "the compiled train step, against the float32 data-parallel baseline")
+  comm.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+  comm.add_argument("--project", action="store_true",
+                    help="also a projected (modelled, not measured) utilization on 1/10/100 Gbit/s links")
   return parser.parse_args(rest), overrides
 
 
+CONFIG_COMMANDS = ("train", "prepare", "comm")  # the commands that take --config and --config.* overrides
 DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                    "process_id": "JAX_PROCESS_ID", "local_device_ids": "JAX_LOCAL_DEVICE_IDS"}
 
@@ -162,7 +169,7 @@ def _prepare(cfg, workdir: str) -> int:
 def main(argv=None) -> int:
   try:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
-    if args.command in ("train", "prepare"):
+    if args.command in CONFIG_COMMANDS:
       cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
       distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
@@ -170,9 +177,13 @@ def main(argv=None) -> int:
         _join({**distributed, "heartbeat_timeout_seconds": int(max(100, 2 * cfg.train.peer_timeout_s))})
       config_lib.validate(cfg, jax.device_count())
     elif overrides:
-      raise config_lib.ConfigError("--config.* overrides apply to train and prepare only")
+      raise config_lib.ConfigError(f"--config.* overrides apply to {', '.join(CONFIG_COMMANDS)} only")
     if args.command == "prepare":
       return _prepare(cfg, args.workdir)
+    if args.command == "comm":
+      from jaxtrain.train import comm
+      print(comm.run(cfg, projection=args.project))
+      return 0
     if args.command in ("convert", "inspect"):
       os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-side work: leave accelerators alone
       if args.command == "convert":

@@ -1,0 +1,204 @@
+"""What a config's training step sends over each mesh axis, counted in its compiled HLO, against the
+float32 data-parallel baseline; and a stated model of what that costs on slow links.
+
+`report(cfg)` compiles the step exactly as the loop does (`loop.compile_steps`, same mesh and rules) but
+on abstract state and batch, so nothing is allocated; `parallel.hlo_bytes` counts the bytes. "Over the
+reduced axis" (`optim.reduce_axis`, default replica) counts every collective whose groups span that axis,
+alone or with others. `python -m jaxtrain comm --config=... [--project]` prints `run(cfg, projection)`.
+"""
+
+import copy
+import json
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jaxtrain import config as config_lib, metrics as metrics_lib, parallel
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.transformer import param_count
+from jaxtrain.parallel import hlo_bytes
+from jaxtrain.train import loop, state as state_lib
+
+# Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in jaxtrain/metrics.py.
+H200_BF16_FLOPS = metrics_lib.PEAK_FLOPS["H200"]["bfloat16"]
+PROJECTION_MODELS = ("gpt2_small", "llama_1b", "llama_8b")
+# The baseline's values of the compressed-reduction and DiLoCo keys, where the schema has no defaults for them.
+PLAIN = {"comm.format": "f32", "comm.error_feedback": "none", "diloco.inner_steps": 0}
+
+
+def step_hlo(cfg, devices=None) -> tuple[str, jax.sharding.Mesh]:
+  """(compiled HLO text of the train step of `cfg`, its mesh), compiled on abstract state and batch."""
+  return _compile(cfg, devices)[:2]
+
+
+def _compile(cfg, devices=None):
+  """(HLO text, mesh, number of parameters) of the train step of `cfg`."""
+  devices = jax.devices() if devices is None else devices
+  config_lib.validate(cfg, len(devices))
+  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  batch_sh = parallel.batch_sharding(mesh)
+  feed = parallel.Feed(task.batch_size, batch_sh)
+  try:
+    host = next(task.batches("train", feed.lo, feed.hi))  # the shapes and dtypes of one batch
+  except (FileNotFoundError, ValueError) as e:  # a text corpus not prepared
+    raise config_lib.ConfigError(str(e)) from e
+  batch = {k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=batch_sh)
+           for k, v in host.items()}
+  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       state_lib.abstract_state(task, tx), shardings)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+    text = train_fn.lower(state, batch).compile().as_text()
+  return text, mesh, sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+
+
+def baseline_overrides(cfg) -> dict:
+  """Dotted keys that turn `cfg` into its float32 data-parallel baseline: the explicit reduction over
+  `optim.reduce_axis` (default replica), and the `comm`/`diloco` sections, where the config has them, at
+  their defaults (comm.format=f32, comm.error_feedback=none, diloco.inner_steps=0)."""
+  defaults = config_lib.default_config()
+  out = {"optim.reduce_axis": reduced_axis(cfg)}
+  for section in ("comm", "diloco"):
+    if section in cfg:
+      values = defaults[section].to_dict() if section in defaults else {
+          k.split(".")[1]: v for k, v in PLAIN.items() if k.startswith(f"{section}.")}
+      out.update({f"{section}.{k}": v for k, v in values.items() if k in cfg[section]})
+  return out
+
+
+def reduced_axis(cfg) -> str:
+  return cfg.optim.reduce_axis or "replica"
+
+
+def baseline(cfg):
+  return with_overrides(cfg, baseline_overrides(cfg))
+
+
+def with_overrides(cfg, overrides: dict):
+  """A copy of `cfg` with dotted keys set to values (typed already, not strings)."""
+  cfg = copy.deepcopy(cfg)
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return cfg
+
+
+def measure(cfgs: list, devices=None) -> list[dict]:
+  """For each config, the bytes per device per optimizer step of its step: by (axes, dtype), in all, and
+  over its reduced axis (every collective whose groups span it); and its parameter count. Equal configs
+  are compiled once."""
+  keys, done = [json.dumps(cfg.to_dict(), sort_keys=True, default=str) for cfg in cfgs], {}
+  for key, cfg in zip(keys, cfgs):
+    if key not in done:
+      text, mesh, n = _compile(cfg, devices)
+      rows = hlo_bytes.collectives(text, mesh)
+      axis = reduced_axis(cfg)
+      done[key] = {"by_axis": hlo_bytes.by_axis(rows), "total": hlo_bytes.total(rows), "params": n,
+                   "reduced": sum(r.per_step for r in rows if axis in r.axes)}
+  return [done[key] for key in keys]
+
+
+def report(cfg, devices=None) -> dict:
+  """Bytes per device per optimizer step of `cfg` and of its float32 data-parallel baseline, and
+  baseline / config over the reduced axis (None when the config sends nothing over it)."""
+  return _report(cfg, *measure([cfg, baseline(cfg)], devices))
+
+
+def _report(cfg, config: dict, base: dict) -> dict:
+  ratio = base["reduced"] / config["reduced"] if config["reduced"] else None
+  return {"axis": reduced_axis(cfg), "config": config, "baseline": base, "ratio": ratio}
+
+
+def format_report(rep: dict) -> str:
+  """An aligned table: mesh axes x dtype -> bytes per device per optimizer step, config and baseline."""
+  config, base = rep["config"], rep["baseline"]
+  table = [("axes", "dtype", "config", "f32 baseline")]
+  keys = sorted(k for k in set(config["by_axis"]) | set(base["by_axis"])
+                if config["by_axis"].get(k) or base["by_axis"].get(k))  # not groups of one device
+  table += [(a, d, f"{config['by_axis'].get((a, d), 0):,.0f}", f"{base['by_axis'].get((a, d), 0):,.0f}")
+            for a, d in keys]
+  table.append(("total", "", f"{config['total']:,.0f}", f"{base['total']:,.0f}"))
+  widths = [max(len(row[i]) for row in table) for i in range(4)]
+  lines = ["bytes per device per optimizer step (compiled HLO, ring algorithms)"]
+  lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in table]
+  a, ratio = rep["axis"], rep["ratio"]
+  lines.append(f"over {a}: baseline / config = {ratio:.2f}x" if ratio is not None else
+               f"over {a}: the config sends nothing (the baseline {base['reduced']:,.0f} bytes)")
+  return "\n".join(lines)
+
+
+class Scheme(NamedTuple):
+  """A way to reduce: dotted config keys set on the given config, and how many optimizer steps of compute
+  its communication may hide behind (0 for data parallelism; the delay tau for streaming DiLoCo)."""
+  name: str
+  overrides: dict
+  overlap_steps: float = 0.0
+
+
+def default_schemes(cfg) -> list[Scheme]:
+  return [Scheme("f32 data-parallel", baseline_overrides(cfg)), Scheme("this config", {})]
+
+
+def run(cfg, projection: bool = False, schemes: list[Scheme] | None = None, devices=None) -> str:
+  """What `python -m jaxtrain comm` prints: the report, and with `projection` the projected utilization
+  of each scheme (default: the f32 baseline and this config) from its bytes per parameter over the
+  reduced axis, measured on this config's mesh (an all-reduce's 2 (R-1)/R is its replica count's)."""
+  schemes = default_schemes(cfg) if schemes is None else schemes
+  cfgs = [cfg, baseline(cfg)] + ([with_overrides(cfg, s.overrides) for s in schemes] if projection else [])
+  measured = measure(cfgs, devices)
+  text = format_report(_report(cfg, *measured[:2]))
+  if projection:
+    per_param = {s.name: m["reduced"] / m["params"] for s, m in zip(schemes, measured[2:])}
+    rows = project(per_param, overlap_steps={s.name: s.overlap_steps for s in schemes})
+    text += (f"\n\nbytes per parameter per step over {reduced_axis(cfg)}, measured: "
+             + ", ".join(f"{name} {b:.3g}" for name, b in per_param.items()) + "\n" + format_projection(rows))
+  return text
+
+
+# ---- a model of what the bytes cost between replicas on slow links: stated, not measured ----
+
+
+def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS, bandwidths_gbit=(1, 10, 100),
+            *, overlap_steps: dict[str, float] | None = None, mfu: float = 0.4, peak_flops: float = H200_BF16_FLOPS,
+            step_time_s: dict[str, float] | None = None, tokens_per_replica_step: int | None = None) -> list[dict]:
+  """Projected compute utilization of each scheme for each model config and link bandwidth. A model:
+
+  a replica is one GPU (`peak_flops`, default H200 dense bf16) running the config's batch per step, so
+  T = 6 N tokens / (peak_flops x mfu) unless `step_time_s[model]` gives a measured step time; a replica
+  sends bytes_per_param_per_step[scheme] x N bytes per optimizer step at the link's bandwidth, of which
+  `overlap_steps[scheme]` x T hide behind compute; utilization = T / (T + exposed)."""
+  rows = []
+  for model in models:
+    cfg = config_lib.load_config_file(f"configs/{model}.py")
+    n = param_count(ModelConfig.from_config(cfg.model))
+    tokens = tokens_per_replica_step or cfg.train.batch_size * cfg.train.seq_len
+    t = (step_time_s or {}).get(model) or 6 * n * tokens / (peak_flops * mfu)
+    for scheme, per_param in bytes_per_param_per_step.items():
+      for gbit in bandwidths_gbit:
+        comm = per_param * n * 8 / (gbit * 1e9)
+        exposed = max(0.0, comm - (overlap_steps or {}).get(scheme, 0.0) * t)
+        rows.append({"scheme": scheme, "model": model, "gbit": gbit, "params": n, "compute_s": t, "comm_s": comm,
+                     "exposed_s": exposed, "utilization": t / (t + exposed)})
+  return rows
+
+
+def format_projection(rows: list[dict]) -> str:
+  """A markdown table: a row per scheme, a column per model x bandwidth, utilization in percent."""
+  columns = list(dict.fromkeys((r["model"], r["gbit"]) for r in rows))
+  cell = {(r["scheme"], r["model"], r["gbit"]): r["utilization"] for r in rows}
+  lines = ["Projected compute utilization (a model, not a measurement: T = 6 N tokens / (peak x mfu) per "
+           "step, comm = bytes x 8 / bandwidth, utilization = T / (T + max(0, comm - overlap x T)))", "",
+           "| scheme | " + " | ".join(f"{m} {g:g} Gbit/s" for m, g in columns) + " |",
+           "|---|" + "---:|" * len(columns)]
+  for scheme in dict.fromkeys(r["scheme"] for r in rows):
+    lines.append(f"| {scheme} | " + " | ".join(f"{cell[scheme, m, g]:.1%}" for m, g in columns) + " |")
+  steps = {r["model"]: (r["params"], r["compute_s"]) for r in rows}
+  lines += ["", "; ".join(f"{m}: N = {n / 1e6:,.0f}M, T = {t:.3g} s" for m, (n, t) in steps.items())]
+  return "\n".join(lines)
