@@ -25,9 +25,6 @@ from jaxtrain.train import loop, state as state_lib
 H200_BF16_FLOPS = metrics_lib.PEAK_FLOPS["H200"]["bfloat16"]
 PROJECTION_MODELS = ("gpt2_small", "llama_1b", "llama_8b")
 # The baseline's values of the compressed-reduction and DiLoCo keys, where the schema has no defaults for them.
-PLAIN = {"comm.format": "f32", "comm.error_feedback": "none", "diloco.inner_steps": 0}
-
-
 def step_hlo(cfg, devices=None) -> tuple[str, jax.sharding.Mesh]:
   """(compiled HLO text of the train step of `cfg`, its mesh), compiled on abstract state and batch."""
   return _compile(cfg, devices)[:2]
@@ -56,21 +53,18 @@ def _compile(cfg, devices=None):
 
 
 def baseline_overrides(cfg) -> dict:
-  """Dotted keys that turn `cfg` into its float32 data-parallel baseline: the explicit reduction over
-  `optim.reduce_axis` (default replica), and the `comm`/`diloco` sections, where the config has them, at
-  their defaults (comm.format=f32, comm.error_feedback=none, diloco.inner_steps=0)."""
+  """Dotted keys that turn `cfg` into its float32 data-parallel baseline: the explicit float32 reduction
+  over the axis the config reduces (comm.axis when it compresses or runs DiLoCo, else optim.reduce_axis,
+  default replica), every other `comm` and `diloco` key at its default."""
   defaults = config_lib.default_config()
   out = {"optim.reduce_axis": reduced_axis(cfg)}
-  for section in ("comm", "diloco"):
-    if section in cfg:
-      values = defaults[section].to_dict() if section in defaults else {
-          k.split(".")[1]: v for k, v in PLAIN.items() if k.startswith(f"{section}.")}
-      out.update({f"{section}.{k}": v for k, v in values.items() if k in cfg[section]})
+  out.update({f"comm.{k}": v for k, v in defaults.comm.items() if k != "axis"})
+  out.update({f"diloco.{k}": v for k, v in defaults.diloco.items()})
   return out
 
 
 def reduced_axis(cfg) -> str:
-  return cfg.optim.reduce_axis or "replica"
+  return config_lib.manual_axis(cfg) or "replica"
 
 
 def baseline(cfg):

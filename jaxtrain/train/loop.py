@@ -16,6 +16,7 @@ import tqdm.auto
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
+from jaxtrain.parallel import hlo_bytes
 from jaxtrain.train import lock, peers, state as state_lib
 from jaxtrain.train.lm import LanguageModel
 from jaxtrain.train.preemption import Preemption
@@ -62,6 +63,16 @@ def manual_specs(shardings, axis: str):
     keep = lambda e: e if e == axis or (isinstance(e, tuple) and axis in e) else None
     return P(*(keep(e) for e in sharding.spec))
   return jax.tree.map(spec, shardings)
+
+
+def comm_bytes(hlo_text: str, mesh) -> dict:
+  """Bytes each device sends per optimizer step, from the compiled step: `comm_bytes` in all and
+  `comm_bytes_<axis>` per mesh axis a collective spans (parallel/hlo_bytes.py)."""
+  rows = hlo_bytes.collectives(hlo_text, mesh)
+  out = {"comm_bytes": hlo_bytes.total(rows)}
+  for (axes, _), n in hlo_bytes.by_axis(rows).items():
+    out[f"comm_bytes_{axes}"] = out.get(f"comm_bytes_{axes}", 0.0) + n
+  return out
 
 
 def per_replica_metrics(cfg) -> bool:
@@ -247,14 +258,18 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
                                              mininterval=PROGRESS_INTERVAL_S))
     per_replica = per_replica_metrics(cfg)
     log = Log(writer, bar, constants, task, peak, per_replica)
-    last, pending, rollbacks = {}, None, 0
+    last, pending, rollbacks, compiled = {}, None, 0, None
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
     preemption = stack.enter_context(Preemption())
     adaptive = any(tier.adaptive for tier in ckpts.tiers)
     step = start
     while step < t.steps:
-      state, step_metrics = train_fn(state, feed.put(next(train_iter)))
+      batch = feed.put(next(train_iter))
+      if compiled is None:  # compiled once, here, so that its HLO says what the step sends (comm_bytes)
+        compiled = train_fn.lower(state, batch).compile()
+        log.constants.update(comm_bytes(compiled.as_text(), mesh))
+      state, step_metrics = compiled(state, batch)
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:

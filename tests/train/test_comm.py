@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import jax
-import ml_collections
 import pytest
 
 from jaxtrain import config as config_lib
@@ -32,21 +31,14 @@ def test_f32_reduction_over_replica_is_ring_all_reduce_of_every_parameter():
   assert any(line.split()[:2] == ["replica", "f32"] for line in text.splitlines())
 
 
-def test_baseline_resets_compressed_reduction_and_diloco_keys(monkeypatch):
-  cfg = tiny_config()
-  assert comm.baseline_overrides(cfg) == {"optim.reduce_axis": "replica"}
-  cfg.comm = ml_collections.ConfigDict({"format": "int8", "error_feedback": "ef21"})
-  cfg.diloco = ml_collections.ConfigDict({"inner_steps": 100})
-  assert comm.baseline_overrides(cfg) == {"optim.reduce_axis": "replica", "comm.format": "f32",
-                                          "comm.error_feedback": "none", "diloco.inner_steps": 0}
-  defaults = config_lib.default_config()
-  defaults.comm = ml_collections.ConfigDict({"format": "f32", "error_feedback": "none"})
-  monkeypatch.setattr(config_lib, "default_config", lambda: defaults)  # once the schema has the section
-  cfg.optim.reduce_axis = "data"
+def test_baseline_resets_compressed_reduction_and_diloco_keys():
+  cfg = tiny_config(comm=dict(format="int8", error_feedback="ef21", block=64), diloco=dict(delay=3))
   base = comm.baseline(cfg)
-  assert (base.comm.format, base.comm.error_feedback, base.diloco.inner_steps, base.optim.reduce_axis) == (
-      "f32", "none", 0, "data")
+  assert (base.comm.format, base.comm.error_feedback, base.comm.block, base.diloco.delay,
+          base.optim.reduce_axis) == ("f32", "none", 256, 0, "replica")
   assert cfg.comm.format == "int8"  # the config itself is left alone
+  cfg = tiny_config(comm=dict(axis="data", format="bf16"))
+  assert comm.baseline(cfg).optim.reduce_axis == "data" and comm.baseline(cfg).comm.axis == "data"
 
 
 def test_projection_follows_its_stated_model():
