@@ -71,7 +71,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
     if drop is not None:
       return jnp.asarray(drop(syncs, replica), jnp.bool_)
     if drop_prob == 0:
-      return jnp.array(False)
+      return jnp.asarray(replica) < 0  # False, varying over the axis like the other answers
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), syncs), replica)
     return jax.random.bernoulli(key, drop_prob)
 
@@ -87,8 +87,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
       present = collectives.psum(keep, (axis,)) if (drop is not None or drop_prob) else jnp.float32(shards)
     return total / jnp.maximum(present, 1.0), present, missed
 
-  def apply(layout, params, local, momentum, average, present, missed, fragment):
-    """The outer step on one fragment: (global params' update, replica's params, momentum)."""
+  def outer_step(layout, momentum, average, present, fragment):
+    """The outer Nesterov step on one fragment: (global params' update, momentum)."""
     size = layout.padded // fragments
     start = (fragment * size,)
     old = jax.lax.dynamic_slice(momentum, start, (size,))
@@ -97,13 +97,19 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
     anyone = present > 0  # nobody sent: the fragment stays as it is
     m, step = jnp.where(anyone, m, old), jnp.where(anyone, step, 0.0)
     updates = layout.unflatten(jax.lax.dynamic_update_slice(jnp.zeros([layout.padded], jnp.float32), step, start))
-    new_global = jax.tree.map(lambda p, u: jnp.asarray(p + u).astype(p.dtype), params, updates)  # = apply_updates
+    return updates, jax.lax.dynamic_update_slice(momentum, m, start)
+
+  def rejoin(layout, local, new_global, missed, fragment):
+    """The replica's copy of one fragment after its sync: the new global params (merged with the local
+    copy when the average landed late; a replica that missed the sync takes the global). Copies only,
+    without delay: each replica holds exactly the global params' bits."""
+    size = layout.padded // fragments
+    start = (fragment * size,)
     synced = jax.lax.dynamic_slice(layout.flatten(new_global), start, (size,))
-    if delay:  # the replica went on for tau steps: merge (a replica that missed the sync takes the global)
+    if delay:
       mine = jax.lax.dynamic_slice(layout.flatten(local), start, (size,))
       synced = jnp.where(missed, synced, mix * mine + (1.0 - mix) * synced)
-    local = layout.unflatten(jax.lax.dynamic_update_slice(layout.flatten(local), synced, start))
-    return updates, local, jax.lax.dynamic_update_slice(momentum, m, start)
+    return layout.unflatten(jax.lax.dynamic_update_slice(layout.flatten(local), synced, start))
 
   def update(grads, state, params=None):
     layout = compress.Layout(params, pad)
@@ -117,35 +123,37 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
     fragment_of = lambda c: (c // period - 1) % fragments
 
     if delay == 0:
+      due, k = count % period == 0, fragment_of(count)
+
       def sync(args):
-        local, momentum, syncs, missed_syncs = args
-        k = fragment_of(count)
+        momentum, syncs, missed_syncs, _ = args
         average, present, missed = send(layout, params, local, syncs, k)
-        updates, local, momentum = apply(layout, params, local, momentum, average, present, missed, k)
-        return updates, local, momentum, syncs + 1, missed_syncs + (shards - present).astype(jnp.int32)
-      updates, local, momentum, syncs, missed_syncs = jax.lax.cond(
-          count % period == 0, sync, lambda args: (zero, *args), (local, momentum, syncs, missed_syncs))
+        updates, momentum = outer_step(layout, momentum, average, present, k)
+        return updates, momentum, syncs + 1, missed_syncs + (shards - present).astype(jnp.int32), missed
+      updates, momentum, syncs, missed_syncs, missed = jax.lax.cond(
+          due, sync, lambda args: (zero, *args), (momentum, syncs, missed_syncs, jnp.zeros_like(missed_all[0])))
     else:
       def issue(args):
         pending, weight, missed_all, syncs, missed_syncs = args
-        k = fragment_of(count)
-        average, present, missed = send(layout, params, local, syncs, k)
+        j = fragment_of(count)
+        average, present, missed = send(layout, params, local, syncs, j)
         size = layout.padded // fragments
-        pending = jax.lax.dynamic_update_slice(pending, average, (k * size,))
-        return (pending, weight.at[k].set(present), missed_all.at[k].set(missed), syncs + 1,
+        pending = jax.lax.dynamic_update_slice(pending, average, (j * size,))
+        return (pending, weight.at[j].set(present), missed_all.at[j].set(missed), syncs + 1,
                 missed_syncs + (shards - present).astype(jnp.int32))
       pending, weight, missed_all, syncs, missed_syncs = jax.lax.cond(
           count % period == 0, issue, lambda args: args, (pending, weight, missed_all, syncs, missed_syncs))
 
-      def land(args):
-        local, momentum = args
-        k = fragment_of(count - delay)
-        size = layout.padded // fragments
-        average = jax.lax.dynamic_slice(pending, (k * size,), (size,))
-        return apply(layout, params, local, momentum, average, weight[k], missed_all[k], k)
-      due = ((count - delay) % period == 0) & (count - delay >= period)
-      updates, local, momentum = jax.lax.cond(due, land, lambda args: (zero, *args), (local, momentum))
+      due, k = ((count - delay) % period == 0) & (count - delay >= period), fragment_of(count - delay)
+      size = layout.padded // fragments
+      land = lambda m: outer_step(layout, m, jax.lax.dynamic_slice(pending, (k * size,), (size,)), weight[k], k)
+      updates, momentum = jax.lax.cond(due, land, lambda m: (zero, m), momentum)
+      missed = missed_all[k]
 
+    # The new global params as the step's apply_updates makes them: the same add of the same (conditional's
+    # output) buffers, outside the branch so that no multiply fuses into it (XLA contracts a*b+c to an FMA).
+    new_global = optax.apply_updates(params, updates)
+    local = jax.lax.cond(due, lambda l: rejoin(layout, l, new_global, missed, k), lambda l: l, local)
     return updates, DilocoState(compress.mine(inner_state), compress.mine(local), momentum, pending, weight,
                                 compress.mine(missed_all), count, syncs, missed_syncs)
 
