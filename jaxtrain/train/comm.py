@@ -24,7 +24,8 @@ from jaxtrain.train import loop, state as state_lib
 # Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in jaxtrain/metrics.py.
 H200_BF16_FLOPS = metrics_lib.PEAK_FLOPS["H200"]["bfloat16"]
 PROJECTION_MODELS = ("gpt2_small", "llama_1b", "llama_8b")
-# The baseline's values of the compressed-reduction and DiLoCo keys, where the schema has no defaults for them.
+
+
 def step_hlo(cfg, devices=None) -> tuple[str, jax.sharding.Mesh]:
   """(compiled HLO text of the train step of `cfg`, its mesh), compiled on abstract state and batch."""
   return _compile(cfg, devices)[:2]
