@@ -313,7 +313,7 @@ FLOAT_RANGES = {
 
 def _validate_floats(cfg):
   """Every float setting is finite (nan and inf are refused everywhere) and within its range."""
-  for key, value in _flat(cfg.to_dict()).items():
+  for key, value in flat(cfg.to_dict()).items():
     if isinstance(value, float) and not math.isfinite(value):
       raise ConfigError(f"{key} must be a finite number, got {value}")
     if key in FLOAT_RANGES:
@@ -334,6 +334,11 @@ def _validate_optim(o):
 def compressing(cfg) -> bool:
   """Whether the gradient reduction over comm.axis is anything but plain float32 data parallelism."""
   return cfg.comm.format != "f32" or cfg.comm.error_feedback != "none"
+
+
+def per_replica_state(cfg) -> bool:
+  """Whether the optimizer keeps one copy of some state per shard of comm.axis (DiLoCo, error feedback)."""
+  return bool(cfg.diloco.inner_steps) or cfg.comm.error_feedback != "none"
 
 
 def manual_axis(cfg) -> str:
@@ -416,17 +421,17 @@ RESUMABLE_CHANGES = ("mesh.", "checkpoint.", "sample.", "train.steps", "train.lo
                      "data.cache_dir", "train.peer_timeout_s")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat(d: dict, prefix: str = "") -> dict:
   """{"a": {"b": 1}} -> {"a.b": 1}."""
   out = {}
   for k, v in d.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
   return out
 
 
 def incompatible(saved: dict, current: dict) -> list[str]:
   """The `key: saved -> current` differences that forbid resuming a run saved with `saved`."""
-  a, b = _flat(saved), _flat(current)
+  a, b = flat(saved), flat(current)
   return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
           if a.get(k) != b.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
                                                for r in RESUMABLE_CHANGES)]

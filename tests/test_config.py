@@ -82,6 +82,27 @@ BAD = {
     "unknown on_divergence": ["--config.optim.on_divergence=ignore"],
     "no skips allowed": ["--config.optim.max_consecutive_skips=0"],
     "no failed save allowed": ["--config.checkpoint.max_failed_saves=0"],
+    # communication-efficient training
+    "unknown comm format": ["--config.mesh.replica=4", "--config.comm.format=int3"],
+    "unknown error feedback": ["--config.mesh.replica=4", "--config.comm.error_feedback=ef3"],
+    "comm block odd": ["--config.mesh.replica=4", "--config.comm.format=int4", "--config.comm.block=255"],
+    "comm block zero": ["--config.mesh.replica=4", "--config.comm.format=int8", "--config.comm.block=0"],
+    "compression over a replica axis of one": ["--config.comm.format=int8"],
+    "diloco over a replica axis of one": ["--config.diloco.inner_steps=10"],
+    "diloco H negative": ["--config.mesh.replica=4", "--config.diloco.inner_steps=-1"],
+    "diloco fragments above layers": ["--config.mesh.replica=4", "--config.diloco.inner_steps=12",
+                                      "--config.diloco.fragments=3"],
+    "diloco fragments not dividing H": ["--config.mesh.replica=4", "--config.diloco.inner_steps=5",
+                                        "--config.diloco.fragments=2"],
+    "diloco delay not below H": ["--config.mesh.replica=4", "--config.diloco.inner_steps=10",
+                                 "--config.diloco.delay=10"],
+    "diloco format unknown": ["--config.mesh.replica=4", "--config.diloco.inner_steps=10",
+                              "--config.diloco.format=int2"],
+    "diloco with a compressed gradient": ["--config.mesh.replica=4", "--config.diloco.inner_steps=10",
+                                          "--config.comm.format=int8"],
+    "diloco drop probability above 1": ["--config.mesh.replica=4", "--config.diloco.inner_steps=10",
+                                        "--config.diloco.drop_prob=1.5"],
+    "comm axis unknown": ["--config.mesh.replica=4", "--config.comm.axis=fsdp"],
 }
 
 

@@ -44,6 +44,25 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
     raise config_lib.ConfigError(f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
                                  "to replace it, or use another --workdir")
+  if stored is not None:
+    _check_replicas(stored, cfg, workdir)
+
+
+def _check_replicas(stored: dict, cfg, workdir: str):
+  """A run with per-replica optimizer state (DiLoCo's replicas, error-feedback residuals) resumes on its
+  number of replicas only: each replica's copy is its own, and neither averaging them nor inventing new
+  ones continues the same run. Refused with one line; the mesh may change otherwise."""
+  saved = config_lib.default_config()
+  saved.update_from_flattened_dict({k: v for k, v in config_lib.flat(stored).items()
+                                    if k.startswith(("comm.", "diloco.", "mesh."))})
+  if not config_lib.per_replica_state(saved):
+    return
+  axis, n = saved.comm.axis, jax.device_count()
+  was, now = config_lib.mesh_shape(saved.mesh, n)[axis], config_lib.mesh_shape(cfg.mesh, n)[axis]
+  if was != now:
+    raise config_lib.ConfigError(f"{workdir} holds a run with {was} shards on the {axis} axis and per-replica "
+                                 f"optimizer state (DiLoCo, error feedback); it resumes on {was} only: set "
+                                 f"--config.mesh.{axis}={was}, or --start_over")
 
 
 def newest_stored_config(configs, workdir: str, saved=None) -> dict | None:
