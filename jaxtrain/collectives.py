@@ -69,9 +69,12 @@ def vary(tree, axes: tuple[str, ...]):
 def all_gather(x, axis: str):
   """Every shard's `x` concatenated along dimension 0, the same on every shard of `axis` (invariant)."""
   try:
-    return jax.lax.all_gather(x, axis, tiled=True, to="invarying")
-  except TypeError:  # a jax without the `to` argument: all_gather_invariant
-    return jax.lax.all_gather_invariant(x, axis, tiled=True)
+    return jax.lax.all_gather(x, axis, tiled=True, to="invarying")  # jax 0.10
+  except (TypeError, ValueError):  # a jax whose all_gather has no such `to`
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+      from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis, tiled=True)
 
 
 def pmax(tree, axes: tuple[str, ...]):
