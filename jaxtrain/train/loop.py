@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import tqdm.auto
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
 from jaxtrain.parallel import hlo_bytes
@@ -78,6 +78,20 @@ def comm_bytes(hlo_text: str, mesh) -> dict:
 def per_replica_metrics(cfg) -> bool:
   """DiLoCo's inner steps send nothing over comm.axis, metrics included: each replica's come back."""
   return bool(cfg.diloco.inner_steps)
+
+
+def readable(mesh):
+  """`metrics -> metrics` that this process can read on the host. Per-replica metrics lie on the replica
+  axis, which may span processes (then no process can fetch them whole): those are gathered, replicated,
+  by a small program dispatched right behind the step, so the one-step-late read finds them ready on
+  every process, which all take the same decisions from them. The step itself still sends nothing over
+  the axis between syncs. Anything already readable passes as it is (one process: everything)."""
+  gather = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
+  def read(step_metrics):
+    if all(x.is_fully_addressable or x.is_fully_replicated for x in jax.tree.leaves(step_metrics)):
+      return step_metrics
+    return gather(step_metrics)
+  return read
 
 
 def read_metrics(step_metrics, per_replica: bool) -> dict:
@@ -258,6 +272,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
                                              mininterval=PROGRESS_INTERVAL_S))
     per_replica = per_replica_metrics(cfg)
     log = Log(writer, bar, constants, task, peak, per_replica)
+    gather = readable(mesh)
     last, pending, rollbacks, compiled = {}, None, 0, None
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
@@ -270,6 +285,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
         compiled = train_fn.lower(state, batch).compile()
         log.constants.update(comm_bytes(compiled.as_text(), mesh))
       state, step_metrics = compiled(state, batch)
+      step_metrics = gather(step_metrics)
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:

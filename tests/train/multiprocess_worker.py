@@ -1,12 +1,13 @@
 """One process of a (possibly multi-process) CPU training run, for tests/test_multiprocess.py.
 
   python tests/multiprocess_worker.py --process_id=I --num_processes=N --port=P --workdir=DIR \
-      --devices_per_process=D
+      --devices_per_process=D [--overrides=JSON]
 
 Every process joins `jax.distributed` (gloo CPU collectives) when N > 1, trains the tiny config on a
 global mesh of N * D devices, and writes DIR/process_I.json: the rows of each global batch it fed
-(`Feed.lo/hi`), its device counts and the metrics `train` returned. Process 0 also writes
-DIR/metrics.jsonl (jaxtrain does that).
+(`Feed.lo/hi`), its device counts, the processes of each replica of the mesh and the metrics `train`
+returned. `--overrides` ({section: {key: value}}) changes config sections; its `mesh`, when given,
+replaces MESH whole. Process 0 also writes DIR/metrics.jsonl (jaxtrain does that).
 """
 
 import argparse
@@ -29,6 +30,7 @@ def parse_args(argv=None):
   p.add_argument("--port", type=int, required=True)
   p.add_argument("--workdir", required=True)
   p.add_argument("--devices_per_process", type=int, required=True)
+  p.add_argument("--overrides", default="{}", help="JSON {section: {key: value}} over TRAIN and MESH")
   return p.parse_args(argv)
 
 
@@ -59,7 +61,9 @@ def main(args):
   assert jax.local_device_count() == args.devices_per_process, jax.local_devices()
   assert jax.device_count() == args.num_processes * args.devices_per_process, jax.devices()
 
-  cfg = tiny_config(train={**TRAIN, "steps": int(os.environ.get("JT_STEPS", TRAIN["steps"]))}, mesh=MESH)
+  overrides = json.loads(args.overrides)
+  train = {**TRAIN, "steps": int(os.environ.get("JT_STEPS", TRAIN["steps"])), **overrides.pop("train", {})}
+  cfg = tiny_config(**{**overrides, "train": train, "mesh": overrides.get("mesh", MESH)})
   t = cfg.train
   # The rows of the global batch this process builds, as train() builds them (same mesh, same sharding).
   mesh = parallel.make_mesh(cfg.mesh)
@@ -75,6 +79,8 @@ def main(args):
       "global_devices": jax.device_count(),
       "rows": {split: [b.feed.lo, b.feed.hi] for split, b in rows.items()},
       "batch_size": t.batch_size,
+      # mesh axis 0 is replica: the processes holding each replica's devices
+      "replica_processes": [sorted({d.process_index for d in r.flat}) for r in mesh.devices],
       "final": {k: v for k, v in final.items() if isinstance(v, (int, float, str))},
   }
   os.makedirs(args.workdir, exist_ok=True)

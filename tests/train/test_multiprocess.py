@@ -1,6 +1,8 @@
 """Multi-process == one process: two `jax.distributed` processes on this machine (gloo CPU
 collectives, 4 devices each) train the tiny config to the losses of one 8-device process with the
-same global mesh and batch, each process feeding only its own rows of every global batch.
+same global mesh and batch, each process feeding only its own rows of every global batch. Also with
+the replica axis spanning the two processes: DiLoCo, and the compressed gradient reduction, whose
+collectives over replica then run between the processes, reach the one process's losses and params.
 
 The runs are subprocesses of tests/multiprocess_worker.py: a process's device count and its
 distributed client are fixed at jax start-up, so they cannot live in the pytest process.
@@ -15,9 +17,12 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from jaxtrain import metrics
+from jaxtrain.checkpoint import pretrained
 
 from tests.fixtures import ROOT
 WORKER = os.path.join(ROOT, "tests", "train", "multiprocess_worker.py")
@@ -40,16 +45,18 @@ def worker_env() -> dict:
 
 
 class Run:
-  """`num_processes` workers training in one workdir; each one's stdout+stderr goes to a log file."""
+  """`num_processes` workers training in one workdir; each one's stdout+stderr goes to a log file.
+  `overrides`: config changes ({section: {key: value}}; see the worker)."""
 
-  def __init__(self, workdir, num_processes: int, devices_per_process: int):
+  def __init__(self, workdir, num_processes: int, devices_per_process: int, overrides: dict | None = None):
     self.workdir, self.procs, self.logs = str(workdir), [], []
     os.makedirs(self.workdir, exist_ok=True)
     port = free_port()
     for i in range(num_processes):
       log = os.path.join(self.workdir, f"worker_{i}.log")
       cmd = [sys.executable, WORKER, f"--process_id={i}", f"--num_processes={num_processes}", f"--port={port}",
-             f"--workdir={self.workdir}", f"--devices_per_process={devices_per_process}"]
+             f"--workdir={self.workdir}", f"--devices_per_process={devices_per_process}",
+             f"--overrides={json.dumps(overrides or {})}"]
       with open(log, "w") as f:
         self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=worker_env(), cwd=ROOT))
       self.logs.append(log)
@@ -101,6 +108,84 @@ def assert_close(got: dict, want: dict, what: str):
   for step in want:
     rel = abs(got[step] - want[step]) / max(abs(want[step]), 1e-12)
     assert rel < RTOL, f"{what} at step {step}: {got[step]} vs one process {want[step]} (rel diff {rel:.2e})"
+
+
+def reports(run: Run) -> list[dict]:
+  """Each worker's process_I.json."""
+  out = []
+  for i in range(len(run.procs)):
+    with open(os.path.join(run.workdir, f"process_{i}.json")) as f:
+      out.append(json.load(f))
+  return out
+
+
+def saved_params(workdir: str) -> tuple[int, dict]:
+  """(step, {path: numpy}) of the params in a workdir's newest checkpoint."""
+  mngr, step = pretrained.find_step(workdir)
+  params = pretrained.restore_params(mngr, step, pretrained.params_metadata(mngr, step))
+  return step, {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+# A wire format's rounding turns the runs' float noise (~1e-7, as in the losses) into an occasional
+# flip of one quantum: int8 of an outer gradient or update of up to ~2e-2 per block is ~1.6e-4, times
+# DiLoCo's outer_lr * (1 + momentum) = 1.33. Those few elements may differ by up to that, no more
+# (measured: DiLoCo 3 of 20640 params, 4.2e-5 at most; int8 + ef 61, 2.9e-5).
+FLIP_ATOL, MAX_FLIPS = 5e-4, 0.01  # the bound, and the largest fraction of elements beyond RTOL/1e-6
+
+
+def assert_params_close(got: dict, want: dict, what: str) -> tuple[float, int]:
+  """Params equal to RTOL (atol 1e-6) except a few rounding flips; returns (max abs diff, flips)."""
+  assert sorted(got) == sorted(want), what
+  flips, worst, size = 0, 0.0, 0
+  for k in want:
+    assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, (what, k)
+    diff = np.abs(got[k].astype(np.float64) - want[k])
+    flips += int((~np.isclose(got[k], want[k], rtol=RTOL, atol=1e-6)).sum())
+    worst, size = max(worst, float(diff.max())), size + diff.size
+  assert worst < FLIP_ATOL and flips <= MAX_FLIPS * size, f"{what}: max abs diff {worst:.2e}, {flips}/{size} flips"
+  return worst, flips
+
+
+def train_like_one(tmp_path, overrides: dict):
+  """One 8-device process and two 4-device ones train `overrides` on a replica=2 x data=4 mesh whose
+  replica axis is the process axis; asserts the same losses per step and final params. Returns what it
+  measured, printed by the callers (-s shows it)."""
+  mesh = {"mesh": dict(replica=2, data=4)}
+  one = Run(tmp_path / "one_process", 1, 8, {**mesh, **overrides})
+  two = Run(tmp_path / "two_processes", 2, 4, {**mesh, **overrides})
+  wait_all([one, two], TIMEOUT_S)
+
+  (ref,), (p0, p1) = reports(one), reports(two)
+  # make_mesh lays jax.devices() (process 0's first) out in mesh order: replica r is process r.
+  assert ref["replica_processes"] == [[0], [0]]
+  assert p0["replica_processes"] == p1["replica_processes"] == [[0], [1]]
+  assert p0["final"]["comm_bytes_replica"] > 0  # the step does send over replica, i.e. between the processes
+
+  want, got = metrics.read_metrics(one.workdir), metrics.read_metrics(two.workdir)
+  assert [r["step"] for r in got if "loss" in r] == list(range(1, 9))
+  measured = {}
+  for key in ("loss", "eval_loss"):
+    w, g = by_step(want, key), by_step(got, key)
+    assert_close(g, w, key)
+    measured[f"max rel diff {key}"] = max(abs(g[s] - w[s]) / abs(w[s]) for s in w)
+  for key in ("loss", "eval_loss"):
+    assert_close({0: p1["final"][key]}, {0: p0["final"][key]}, f"process 1 final {key}")
+
+  (step_one, params_one), (step_two, params_two) = saved_params(one.workdir), saved_params(two.workdir)
+  assert step_one == step_two == 8
+  measured["params max abs diff"], measured["params flips"] = assert_params_close(params_two, params_one, "params")
+  return measured
+
+
+@pytest.mark.slow  # 145-165 s on 2 loaded cores (test_two_processes_train_like_one: 131 s on them)
+def test_diloco_int8_over_two_processes_trains_like_one(tmp_path):
+  # H=2 over 8 steps: 4 syncs, each an int8 all-to-all and all-gather between the two processes.
+  print(train_like_one(tmp_path, {"diloco": dict(inner_steps=2, format="int8")}))
+
+
+@pytest.mark.slow  # 145-165 s on 2 loaded cores (test_two_processes_train_like_one: 131 s on them)
+def test_int8_reduction_with_error_feedback_over_two_processes_trains_like_one(tmp_path):
+  print(train_like_one(tmp_path, {"comm": dict(format="int8", error_feedback="ef")}))
 
 
 CONFIG = """
