@@ -287,6 +287,11 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(f"model.vocab_size={m.vocab_size} is below data.bpe_vocab_size={d.bpe_vocab_size}")
   if m.n_experts:
     _validate_moe(m, shape, cfg.mesh.rules)
+  axis = manual_axis(cfg)
+  if m.n_experts and axis and math.prod(shape[a] for a in DATA_AXES if a != axis) > 1:
+    raise ConfigError(f"an explicit reduction over {axis} (compression, DiLoCo, optim.reduce_axis) with experts "
+                      f"needs the other data axes at size 1: the experts' shard_map cannot nest in the step's yet "
+                      f"(set --config.mesh.{axis}={math.prod(shape[a] for a in DATA_AXES)})")
   _validate_checkpoint(cfg.checkpoint)
   _validate_floats(cfg)
   _validate_optim(o)

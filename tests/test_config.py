@@ -103,6 +103,8 @@ BAD = {
     "diloco drop probability above 1": ["--config.mesh.replica=4", "--config.diloco.inner_steps=10",
                                         "--config.diloco.drop_prob=1.5"],
     "comm axis unknown": ["--config.mesh.replica=4", "--config.comm.axis=fsdp"],
+    "compression with experts inside a replica": ["--config.mesh.replica=4", "--config.comm.format=int8",
+                                                  "--config.model.n_experts=4"],
 }
 
 
