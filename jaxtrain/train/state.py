@@ -22,7 +22,7 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: optax.OptState
   rng: jax.Array  # raw key data (uint32), so that checkpoints hold plain arrays
   extra: dict = flax.struct.field(default_factory=dict)  # non-trainable model collections (moe_state)
-  replica_state: dict = flax.struct.field(default_factory=dict)  # one copy per replica: leading "replica" axis
+  replica_state: dict = flax.struct.field(default_factory=dict)  # per replica, outside the optimizer (empty today)
   task_state: dict = flax.struct.field(default_factory=dict)  # the task's own (a frozen reference model, ...)
 
 
