@@ -17,7 +17,6 @@ Per-shard buffers carry a leading axis of one entry per shard of the axis, laid 
 lives on its own shard's devices, is checkpointed with the optimizer state, and resumes bitwise.
 """
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -103,10 +102,7 @@ def reduce_flat(x, axis: str, fmt: str, block: int, owner_residual=None):
   received = collectives.all_to_all(payload, axis, 0)
   if quantize.has_block_scales(fmt):
     scales = collectives.all_to_all(scales, axis, 0)
-  pieces = quantize.decode(received, scales, fmt, block)
-  # float32 sum of this shard's piece, added in order (XLA:CPU's reduce over the leading axis was 4x slower:
-  # benchmarks/RESULTS.md, "where the time goes")
-  owned = functools.reduce(jnp.add, [pieces[i] for i in range(shards)])
+  owned = quantize.decode(received, scales, fmt, block).sum(axis=0)  # float32 sum of this shard's piece
   if owner_residual is not None:
     owned = owned + owner_residual
   payload, scales = quantize.encode(owned, fmt, block, None if scale is None else scale * shards)
