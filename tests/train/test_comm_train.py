@@ -40,6 +40,7 @@ def resumes_bitwise(tmp_path, cfg):
   return straight, a
 
 
+@pytest.mark.slow  # three runs: the default suite measured 10m08s with it (limit 10 minutes on 2 cores)
 def test_streaming_diloco_resumes_mid_interval_bitwise_and_refuses_other_replica_counts(tmp_path):
   # H=4 in 2 fragments (one every 2 steps), each landing a step late: step 3 is mid-interval, with a
   # fragment's int8 average in flight
