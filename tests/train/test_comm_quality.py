@@ -4,8 +4,9 @@ the same seed and batches under each scheme, final eval loss against float32 dat
 Targets (the comm issue's): int8 within 0.5%; int4 with error feedback within 0.5% and better than int4
 without; DiLoCo H=10 within 2%, H=50 within 5%; int8 DiLoCo within 0.5% of float32 DiLoCo. The run is
 tiny's full 400 steps: at 250 (schedule scaled) DiLoCo had not converged (H=10 +26%, H=50 +31%). One
-target is missed at every length tried and is marked so (strict xfail), not loosened. Seven runs;
-the module's measured time is in experiments/comm_efficiency/README.md."""
+target is missed at every length tried and is marked so (strict xfail), not loosened. Seven runs of
+101-115 s each on the 2-core CPU when lightly loaded; the whole module took 19 min 26 s (2026-12-01)
+while another slow suite shared the cores (experiments/comm_efficiency/README.md)."""
 
 import os
 
