@@ -130,8 +130,9 @@ def format_report(rep: dict) -> str:
 
 
 class Scheme(NamedTuple):
-  """A way to reduce: dotted config keys set on the given config, and how many optimizer steps of compute
-  its communication may hide behind (0 for data parallelism; the delay tau for streaming DiLoCo)."""
+  """A way to reduce: dotted config keys set on the given config, and how many steps of compute per
+  optimizer step its (per-step averaged) communication may hide behind: 0 for data parallelism; for
+  streaming DiLoCo tau * P / H (each fragment sync, one every H/P steps, hides behind tau steps)."""
   name: str
   overrides: dict
   overlap_steps: float = 0.0
