@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.train_step import machine_lines, publish  # noqa: E402
-from jaxtrain import checkpoint, config as config_lib, data, parallel  # noqa: E402
+from jaxtrain import checkpoint, config_files, data, parallel  # noqa: E402
 from jaxtrain.train import loop, state as state_lib  # noqa: E402
 
 CHUNK = 64 << 20
@@ -81,7 +81,7 @@ def main():
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
 
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{args.config}.py"))
+  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", f"{args.config}.py"))
   cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
   if args.batch_size:
     cfg.train.batch_size = args.batch_size

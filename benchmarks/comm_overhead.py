@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks.train_step import machine_lines, publish  # noqa: E402
-from jaxtrain import config as config_lib, data, parallel  # noqa: E402
+from jaxtrain import config as config_lib, config_files, data, parallel  # noqa: E402
 from jaxtrain import collectives  # noqa: E402
 from jaxtrain.optim import compress, quantize  # noqa: E402
 from jaxtrain.train import loop, state as state_lib  # noqa: E402
@@ -56,7 +56,7 @@ SCHEMES = {  # name -> comm overrides on tiny with optim.reduce_axis=replica
 
 
 def scheme_config(name: str):
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
   cfg.mesh.update(replica=4, data=2)
   cfg.optim.reduce_axis = "replica"
   cfg.comm.update(SCHEMES[name])

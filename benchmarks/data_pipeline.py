@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import train_step  # noqa: E402
 
-from jaxtrain import config as config_lib, data  # noqa: E402
+from jaxtrain import config_files, data  # noqa: E402
 from jaxtrain.data import prepare as prepare_lib, tokenizers  # noqa: E402
 
 
@@ -87,14 +87,14 @@ def main():
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
   workdir = tempfile.mkdtemp(prefix="jaxtrain_bench_")
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "text_tiny.py"))
+  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "text_tiny.py"))
   cfg.data.prepare_workers = 0
   rows = []
   byte = tokenizers.make_tokenizer(cfg.data, workdir)
   prepare_tokens_per_sec(cfg, workdir, byte)  # the cache the pipeline reads
   pipe = pipeline_tokens_per_sec(cfg, workdir)
   step = step_tokens_per_sec(cfg, workdir)
-  bpe_cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "text_tiny.py"))
+  bpe_cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "text_tiny.py"))
   bpe_cfg.data.update(tokenizer="bpe", bpe_vocab_size=2048)
   bpe = tokenizers.make_tokenizer(bpe_cfg.data, workdir, texts=prepare_lib.corpus_texts(bpe_cfg))
   shutil.copytree(sysconfig.get_paths()["stdlib"], os.path.join(workdir, "stdlib"), ignore=_not_py)

@@ -50,9 +50,9 @@ def hlo_collectives() -> list[str]:
   """Runs in a subprocess with 8 virtual devices: the EP step's all-to-alls and all-gathers."""
   import flax.linen as nn
   import jax
-  from jaxtrain import config as config_lib, data, parallel
+  from jaxtrain import config_files, data, parallel
   from jaxtrain.train import loop, state as state_lib
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
+  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
   cfg.mesh.update(data=2, expert=4, rules="fsdp_ep")
   mesh, task, tx, schedule = loop.build(cfg)
   state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
@@ -107,14 +107,14 @@ def main():
 
   import jax
   from benchmarks.train_step import Stepper, machine_lines, publish
-  from jaxtrain import config as config_lib, metrics
+  from jaxtrain import config_files, metrics
   peak_before = metrics.measure_matmul_peak()
   variants = [(label, None, {**SCALED, **o}) for label, o in SCALED_VARIANTS] if args.scale else VARIANTS
   if args.only:
     variants = [variants[int(i)] for i in args.only.split(",")]
   steppers = []
   for label, arg, overrides in variants:
-    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py") + (f":{arg}" if arg else ""))
+    cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py") + (f":{arg}" if arg else ""))
     cfg.model.update(overrides)
     if args.scale:
       cfg.train.update(batch_size=16, seq_len=1024)

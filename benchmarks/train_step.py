@@ -21,13 +21,13 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jaxtrain import config as config_lib, data, metrics, parallel  # noqa: E402
+from jaxtrain import config_files, data, metrics, parallel  # noqa: E402
 from jaxtrain.model import param_count  # noqa: E402
 from jaxtrain.train import loop, state as state_lib  # noqa: E402
 
 
 def time_config(name: str, steps: int, batch_size: int = 0) -> dict:
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
   if batch_size:
     cfg.train.batch_size = batch_size
   return time_cfg(name, cfg, steps)

@@ -13,7 +13,8 @@ JAX_PLATFORMS and XLA_FLAGS set after `import jaxtrain` still take effect.
 
 import importlib
 
-from jaxtrain.config import ConfigError, ModelConfig, default_config, load_config_file as get_config, validate
+from jaxtrain.config import ConfigError, ModelConfig, default_config, validate
+from jaxtrain.config_files import load_config_file as get_config
 
 _LAZY = {  # name -> (module, attribute or None for the module itself)
     "train": ("jaxtrain.train", None),  # callable: jaxtrain.train(cfg, workdir, ...)

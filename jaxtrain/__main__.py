@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from jaxtrain import config as config_lib, errors
+from jaxtrain import config as config_lib, config_files, errors
 
 
 class _Parser(argparse.ArgumentParser):
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
   try:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     if args.command in CONFIG_COMMANDS:
-      cfg = config_lib.apply_overrides(config_lib.load_config_file(args.config), overrides)
+      cfg = config_files.apply_overrides(config_files.load_config_file(args.config), overrides)
       distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
       if distributed is not None:  # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line

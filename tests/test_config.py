@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import config as config_lib
+from jaxtrain import config as config_lib, config_files
 from jaxtrain.__main__ import main
 from jaxtrain.model import param_count
 from jaxtrain.train import loop, state as state_lib
@@ -22,7 +22,7 @@ EXPECTED_ACTIVE = {"mixtral_8x7b": 12.9e9}
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-3])
 def test_config_builds_and_shards_abstractly(path):
-  cfg = config_lib.load_config_file(path)
+  cfg = config_files.load_config_file(path)
   config_lib.validate(cfg, jax.device_count())
   mesh, task, tx, _ = loop.build(cfg)
   model = task.model
@@ -126,6 +126,6 @@ def test_cli_exit_status_in_a_real_process(tmp_path):
 
 
 def test_overrides_are_typed():
-  cfg = config_lib.apply_overrides(config_lib.default_config(),
+  cfg = config_files.apply_overrides(config_lib.default_config(),
                                    {"optim.lr": "1e-3", "train.steps": "7", "model.tie_embeddings": "false"})
   assert cfg.optim.lr == 1e-3 and cfg.train.steps == 7 and cfg.model.tie_embeddings is False

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxtrain import config as config_lib, metrics as metrics_lib, parallel
+from jaxtrain import config as config_lib, config_files, metrics as metrics_lib, parallel
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
 from jaxtrain.parallel import hlo_bytes
@@ -172,7 +172,7 @@ def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS
   `overlap_steps[scheme]` x T hide behind compute; utilization = T / (T + exposed)."""
   rows = []
   for model in models:
-    cfg = config_lib.load_config_file(f"configs/{model}.py")
+    cfg = config_files.load_config_file(f"configs/{model}.py")
     n = param_count(ModelConfig.from_config(cfg.model))
     tokens = tokens_per_replica_step or cfg.train.batch_size * cfg.train.seq_len
     t = (step_time_s or {}).get(model) or 6 * n * tokens / (peak_flops * mfu)

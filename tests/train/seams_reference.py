@@ -30,7 +30,7 @@ def write_corpus(directory: str) -> str:
 
 
 def configs(tmp: str) -> dict:
-  from jaxtrain.config import load_config_file
+  from jaxtrain.config_files import load_config_file
   out = {}
   for name in ("tiny", "moe_tiny", "text_tiny"):
     cfg = load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))

@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-from jaxtrain import config as config_lib
+from jaxtrain import config_files
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
 from jaxtrain.train import comm, loop, state as state_lib
@@ -42,7 +42,7 @@ def test_baseline_resets_compressed_reduction_and_diloco_keys():
 
 
 def test_projection_follows_its_stated_model():
-  n = param_count(ModelConfig.from_config(config_lib.load_config_file("configs/gpt2_small.py").model))
+  n = param_count(ModelConfig.from_config(config_files.load_config_file("configs/gpt2_small.py").model))
   rows = comm.project({"dp": 6.0, "streaming": 6.0}, ("gpt2_small",), (1, 100), overlap_steps={"streaming": 4})
   t = 6 * n * 64 * 1024 / (989e12 * 0.4)
   by = {(r["scheme"], r["gbit"]): r for r in rows}
@@ -69,7 +69,7 @@ def test_cli_prints_the_table_and_the_projection():
   p = cli("--config.mesh.replica=4", "--config.optim.reduce_axis=replica", "--project")
   assert p.returncode == 0, p.stderr[-3000:]
   replica = [line.split() for line in p.stdout.splitlines() if line.startswith("replica ")]
-  n = param_count(ModelConfig.from_config(config_lib.load_config_file("configs/tiny.py").model))
+  n = param_count(ModelConfig.from_config(config_files.load_config_file("configs/tiny.py").model))
   assert replica[0][:2] == ["replica", "f32"], p.stdout
   assert float(replica[0][2].replace(",", "")) == pytest.approx(2 * 3 / 4 * 4 * n, rel=1e-3)
   assert "over replica: baseline / config = 1.00x" in p.stdout

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 import jaxtrain
-from jaxtrain.config import load_config_file
+from jaxtrain.config_files import load_config_file
 from tests.fixtures import ROOT
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ import pytest
 
 import jaxtrain
 from jaxtrain import checkpoint, metrics
-from jaxtrain.config import ConfigError, load_config_file
+from jaxtrain.config import ConfigError
+from jaxtrain.config_files import load_config_file
 from jaxtrain.train import loop, workdir as workdir_lib
 from tests.fixtures import ROOT, tiny_config
 KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s", "entropy_floor"}

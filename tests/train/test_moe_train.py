@@ -12,7 +12,7 @@ import pytest
 
 import jaxtrain
 from jaxtrain import data, metrics, parallel
-from jaxtrain.config import load_config_file
+from jaxtrain.config_files import load_config_file
 from jaxtrain.model import ModelConfig
 from jaxtrain.model.moe import MoeMlp
 from jaxtrain.train import loop, state as state_lib
