@@ -336,9 +336,10 @@ def _validate_optim(o):
     raise ConfigError(f"optim.reduce_axis: unknown value {o.reduce_axis!r}; choose '' (implicit), replica or data")
 
 
-def compressing(cfg) -> bool:
-  """Whether the gradient reduction over comm.axis is anything but plain float32 data parallelism."""
-  return cfg.comm.format != "f32" or cfg.comm.error_feedback != "none"
+def compressing(cm) -> bool:
+  """Whether the `comm` section makes the gradient reduction over comm.axis anything but plain float32
+  data parallelism."""
+  return cm.format != "f32" or cm.error_feedback != "none"
 
 
 def per_replica_state(cfg) -> bool:
@@ -349,7 +350,7 @@ def per_replica_state(cfg) -> bool:
 def manual_axis(cfg) -> str:
   """The mesh axis the train step runs manual over ("" = none): comm.axis when compressing or running
   DiLoCo, else optim.reduce_axis."""
-  return cfg.comm.axis if compressing(cfg) or cfg.diloco.inner_steps else cfg.optim.reduce_axis
+  return cfg.comm.axis if compressing(cfg.comm) or cfg.diloco.inner_steps else cfg.optim.reduce_axis
 
 
 def _validate_comm(cm, dl, o, m, shape):
@@ -359,7 +360,7 @@ def _validate_comm(cm, dl, o, m, shape):
   _check_choice("diloco.format", dl.format, COMM_FORMATS)
   if cm.block < 2 or cm.block % 2:
     raise ConfigError(f"comm.block={cm.block} must be a positive even number (int4 packs two values per byte)")
-  on = cm.format != "f32" or cm.error_feedback != "none" or dl.inner_steps
+  on = compressing(cm) or dl.inner_steps
   if on and shape[cm.axis] < 2:
     raise ConfigError(f"comm: the {cm.axis} axis has size {shape[cm.axis]}; compression and DiLoCo need at least 2 "
                       f"(set --config.mesh.{cm.axis}=N)")
@@ -369,7 +370,7 @@ def _validate_comm(cm, dl, o, m, shape):
     raise ConfigError(f"diloco.inner_steps must be >= 0 (0 = off), got {dl.inner_steps}")
   if not dl.inner_steps:
     return
-  if cm.format != "f32" or cm.error_feedback != "none":
+  if compressing(cm):
     raise ConfigError("comm.format/comm.error_feedback compress per-step gradients, which DiLoCo does not send: "
                       "set diloco.format instead")
   if not 1 <= dl.fragments <= m.n_layers:

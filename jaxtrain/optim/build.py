@@ -3,6 +3,7 @@
 import jax
 import optax
 
+from jaxtrain import config as config_lib
 from jaxtrain.optim import compress, reduce
 from jaxtrain.optim.diloco import diloco as diloco_transform
 from jaxtrain.optim.guard import skip_nonfinite
@@ -59,7 +60,7 @@ def build(o, steps: int, comm=None, diloco=None, shards: int = 1,
     tx = diloco_transform(tx, axis=comm.axis, shards=shards, inner_steps=d.inner_steps, outer_lr=d.outer_lr,
                           outer_momentum=d.outer_momentum, fmt=d.format, block=comm.block, fragments=d.fragments,
                           delay=d.delay, mix=d.mix, drop_prob=d.drop_prob, seed=seed)
-  elif comm is not None and (comm.format != "f32" or comm.error_feedback != "none"):
+  elif comm is not None and config_lib.compressing(comm):
     tx = optax.chain(compress.compressed_sum(comm.axis, shards, comm.format, comm.block, comm.error_feedback), tx)
   elif o.reduce_axis:  # before the finiteness check: every shard must take the same decision
     tx = optax.chain(reduce.sum_over(o.reduce_axis), tx)
