@@ -80,18 +80,15 @@ def per_replica_metrics(cfg) -> bool:
   return bool(cfg.diloco.inner_steps)
 
 
-def readable(mesh):
+def readable(mesh, per_replica: bool):
   """`metrics -> metrics` that this process can read on the host. Per-replica metrics lie on the replica
-  axis, which may span processes (then no process can fetch them whole): those are gathered, replicated,
-  by a small program dispatched right behind the step, so the one-step-late read finds them ready on
-  every process, which all take the same decisions from them. The step itself still sends nothing over
-  the axis between syncs. Anything already readable passes as it is (one process: everything)."""
-  gather = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
-  def read(step_metrics):
-    if all(x.is_fully_addressable or x.is_fully_replicated for x in jax.tree.leaves(step_metrics)):
-      return step_metrics
-    return gather(step_metrics)
-  return read
+  axis, which may span processes (then no process can fetch them whole): there they are gathered,
+  replicated, by a small program dispatched right behind the step, so the one-step-late read finds them
+  ready on every process, which all take the same decisions from them. The step itself still sends
+  nothing over the axis between syncs. One process, or metrics already reduced: nothing to do."""
+  if not (per_replica and jax.process_count() > 1):
+    return lambda step_metrics: step_metrics
+  return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
 
 
 def read_metrics(step_metrics, per_replica: bool) -> dict:
@@ -184,11 +181,10 @@ class Log:
     self.restart_window()
     return row
 
-
-def _health(step_metrics, per_replica: bool) -> dict:
-  """The few scalars read every step: the save policy's warning signs and the divergence counter."""
-  keys = ("loss", "grad_norm", "skipped_steps", "consecutive_skips")
-  return {k: float(v) for k, v in read_metrics({k: step_metrics[k] for k in keys}, per_replica).items()}
+  def health(self, step_metrics) -> dict:
+    """The few scalars read every step: the save policy's warning signs and the divergence counter."""
+    keys = ("loss", "grad_norm", "skipped_steps", "consecutive_skips")
+    return {k: float(v) for k, v in read_metrics({k: step_metrics[k] for k in keys}, self.per_replica).items()}
 
 
 def _rollback(cfg, ckpts, task, tx, mesh, step: int, rollbacks: int):
@@ -272,7 +268,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
                                              mininterval=PROGRESS_INTERVAL_S))
     per_replica = per_replica_metrics(cfg)
     log = Log(writer, bar, constants, task, peak, per_replica)
-    gather = readable(mesh)
+    gather = readable(mesh, per_replica)
     last, pending, rollbacks, compiled = {}, None, 0, None
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
@@ -289,7 +285,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
       if sync_every_step:
         jax.block_until_ready(step_metrics)
       if pending is not None:
-        health = _health(pending[1], per_replica)  # the previous step's, read while this one runs
+        health = log.health(pending[1])  # the previous step's, read while this one runs
         if adaptive:
           _log_decisions(log, pending[0], ckpts.observe(pending[0], health["loss"], health["grad_norm"],
                                                         health["skipped_steps"]))
@@ -327,7 +323,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
         log.event(record.step, record.row())
       ckpts.check()  # errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row
     if pending is not None:
-      if _health(pending[1], per_replica)["consecutive_skips"] >= o.max_consecutive_skips:
+      if log.health(pending[1])["consecutive_skips"] >= o.max_consecutive_skips:
         raise errors.Diverged(f"training diverged: the last {o.max_consecutive_skips} updates up to step "
                               f"{pending[0]} were not finite (optim.max_consecutive_skips); lower optim.lr")
       last.update(log.step(pending))
