@@ -88,14 +88,12 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metr
         "skipped_steps": read_counter(opt_state, "total_notfinite"),
         "consecutive_skips": read_counter(opt_state, "consecutive_skips"),
     }
+    if local_metrics:  # one entry per shard, laid on the axis
+      metrics = jax.tree.map(lambda m: m[None], metrics)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, extra=extra), metrics
 
   if not reduce_axis:
     return train_step
-  if local_metrics:
-    per_shard = train_step
-    train_step = lambda state, batch: (lambda out: (out[0], jax.tree.map(lambda m: m[None], out[1])))(
-        per_shard(state, batch))
   metrics_spec = P(reduce_axis) if local_metrics else P()
   return lambda state, batch: collectives.shard_map(train_step, (reduce_axis,),
                                                     in_specs=(state_specs, P(reduce_axis)),
