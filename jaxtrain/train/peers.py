@@ -143,8 +143,14 @@ class Watch:
   def settle(self):
     """After an error in the main thread (a failed collective, say): gives the heartbeats time to name a
     lost peer (that ends the process), and returns once every peer is heard again or the time is up."""
-    before = dict(self.silence.beats)
     deadline = time.monotonic() + self.timeout_s + 3 * self.interval_s
+    # A lost peer's last beat was written before the error, but a read in flight when it came may not have
+    # seen it: compare against a read that began after the error (the heartbeat thread's next-but-one tick),
+    # or that last beat looks like the peer heard again, and the process leaves to hang in jax's shutdown.
+    first = self._beat
+    while self._beat < first + 2 and time.monotonic() < deadline:
+      self._stop.wait(self.interval_s / 2)
+    before = dict(self.silence.beats)
     while time.monotonic() < deadline:
       self._stop.wait(self.interval_s / 2)
       beats, done = self.silence.beats, self.silence.done

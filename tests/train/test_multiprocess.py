@@ -337,7 +337,10 @@ def test_a_lost_peer_ends_the_survivor_with_one_line_and_status_6(tmp_path):
   try:
     for victim, (c, t_kill) in sorted(killed.items()):
       survivor = c.procs[1 - victim]
-      survivor.wait(timeout=PEER_TIMEOUT_S + 60)
+      try:
+        survivor.wait(timeout=PEER_TIMEOUT_S + 60)
+      except subprocess.TimeoutExpired:
+        pytest.fail(c.report(f"victim {victim}: the survivor still runs"), pytrace=False)
       elapsed = time.monotonic() - t_kill
       last = c.stderr(1 - victim).strip().splitlines()[-1]
       assert survivor.returncode == 6, c.report(f"survivor exit {survivor.returncode}")

@@ -4,6 +4,8 @@ Two real processes losing one: tests/train/test_multiprocess.py."""
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -24,6 +26,51 @@ def test_silence_counts_only_a_peer_whose_heartbeat_stopped():
   assert s.longest() == (2, 0.0) and s.done == {1}
   s.read({1: peers.DONE, 2: "2 12 c"}, now=32.0)
   assert s.longest() == (2, 1.0)
+
+
+class Store:
+  """jax's distributed key-value store in memory: the two calls a Watch makes."""
+
+  def __init__(self):
+    self.kv = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    self.kv[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+@pytest.mark.parametrize("alive", [False, True])
+def test_settle_waits_out_a_peer_whose_last_beat_came_after_the_last_read(monkeypatch, alive):
+  # The main thread's collective fails as peer 1 dies; peer 1's last beat was written after this process's
+  # last read. That beat is no sign of life: settle must wait for the heartbeats' verdict (its deadline here,
+  # as no verdict thread runs), not return and let the process hang in jax's shutdown (CI, 2026-12-01).
+  store = Store()
+  monkeypatch.setattr(peers, "_client", lambda: store)
+  w = peers.Watch(2.0, 0, 2)
+  store.kv[w.prefix + "1"] = "5 11 b"
+  w.tick(time.monotonic())
+  store.kv[w.prefix + "1"] = "6 11 b"  # peer 1's last beat
+  stop = threading.Event()
+
+  def heartbeats():
+    for beat in range(7, 1000):
+      if stop.wait(w.interval_s):
+        return
+      if alive:
+        store.kv[w.prefix + "1"] = f"{beat} 11 b"
+      w.tick(time.monotonic())
+
+  thread = threading.Thread(target=heartbeats)
+  thread.start()
+  start = time.monotonic()
+  w.settle()
+  took = time.monotonic() - start
+  stop.set()
+  thread.join()
+  deadline = w.timeout_s + 3 * w.interval_s
+  assert (took < deadline - 0.5) if alive else (took >= deadline), took
 
 
 ABORT = """import os, sys
