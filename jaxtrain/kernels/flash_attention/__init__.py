@@ -1,0 +1,1 @@
+"""Flash attention: Pallas kernels (kernel.py) behind a custom_vjp (ops.py), held to reference.py."""
