@@ -13,8 +13,9 @@ from jaxtrain.kernels.flash_attention import ops, reference
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 # Worst absolute error allowed, as a fraction of the largest reference value. float32 sees only reassociation
-# (online softmax, blocked sums); bfloat16 rounds the output and each tile of probabilities to 8 bits.
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# (online softmax, blocked sums: measured 4e-7); bfloat16 rounds the output and each tile of probabilities to 8
+# bits (measured 4e-3; the reference itself run in bfloat16 is off by 2.5e-3).
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
 def _packed_rows(rng, b, n, docs, pad):

@@ -26,6 +26,11 @@ def _mask(q_segment, k_segment, q_index, k_index):
   return same & (k_index[None, :] <= q_index[:, None])
 
 
+def _any(mask):
+  """Whether a tile has a key to attend: tiles with none (causally future, other documents, padding) are skipped."""
+  return jnp.max(mask.astype(jnp.int32)) > 0
+
+
 def _dot(a, b):
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -37,28 +42,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_r
   block_q, head_dim = q.shape
 
   def body(j, carry):
-    o, m, l = carry
     keys = pl.ds(j * block_k, block_k)
-    k, v = k_ref[keys, :], v_ref[keys, :]
     mask = _mask(q_segment, k_segment_ref[keys], q_index, k_index_ref[keys])
-    s = jnp.where(mask, scale * _dot(q, k.T), MASK_VALUE)
-    m_next = jnp.maximum(m, jnp.max(s, axis=1))
-    correction = jnp.exp(m - m_next)
-    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
-    l = correction * l + jnp.sum(p, axis=1)
-    o = correction[:, None] * o + _dot(p.astype(v.dtype), v)
-    return o, m_next, l
+
+    def attend(carry):
+      o, m, l = carry
+      k, v = k_ref[keys, :], v_ref[keys, :]
+      s = jnp.where(mask, scale * _dot(q, k.T), MASK_VALUE)
+      m_next = jnp.maximum(m, jnp.max(s, axis=1))
+      correction = jnp.exp(m - m_next)
+      p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+      l = correction * l + jnp.sum(p, axis=1)
+      return correction[:, None] * o + _dot(p.astype(v.dtype), v), m_next, l
+
+    return lax.cond(_any(mask), attend, lambda carry: carry, carry)
 
   init = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
   o, m, l = lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
-  seen = l > 0.0  # a row that may attend no key gets zeros, and lse = inf makes its probabilities 0 in backward
+  seen = l > 0.0  # a row that may attend no key gets zeros, and lse = log 0 = -inf
   o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
 def _probs(q, k, lse, mask, scale):
-  """Recomputed softmax tile exp(s - lse), zero where masked (and for rows that saw no key, lse = inf)."""
+  """Recomputed softmax tile exp(s - lse), zero where masked (rows that saw no key are masked throughout)."""
   return jnp.where(mask, jnp.exp(scale * _dot(q, k.T) - lse[:, None]), 0.0)
 
 
@@ -70,10 +78,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k
 
   def body(j, dq):
     keys = pl.ds(j * block_k, block_k)
-    k, v = k_ref[keys, :], v_ref[keys, :]
-    p = _probs(q, k, lse, _mask(q_segment, k_segment_ref[keys], q_index, k_index_ref[keys]), scale)
-    ds = p * (_dot(do, v.T) - delta[:, None])
-    return dq + _dot(ds.astype(k.dtype), k)
+    mask = _mask(q_segment, k_segment_ref[keys], q_index, k_index_ref[keys])
+
+    def attend(dq):
+      k, v = k_ref[keys, :], v_ref[keys, :]
+      p = _probs(q, k, lse, mask, scale)
+      ds = p * (_dot(do, v.T) - delta[:, None])
+      return dq + _dot(ds.astype(k.dtype), k)
+
+    return lax.cond(_any(mask), attend, lambda dq: dq, dq)
 
   dq = lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
@@ -86,14 +99,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref,
   n_q, heads = q_ref.shape[0] // block_q, q_ref.shape[1]
 
   def body(t, carry):
-    dk, dv = carry
     r, queries = lax.div(t, n_q), pl.ds(lax.rem(t, n_q) * block_q, block_q)
-    q, do = q_ref[queries, r, :], do_ref[queries, r, :]
-    lse, delta = lse_ref[r, queries], delta_ref[r, queries]
-    p = _probs(q, k, lse, _mask(q_segment_ref[queries], k_segment, q_index_ref[queries], k_index), scale)
-    dv = dv + _dot(p.astype(do.dtype).T, do)
-    ds = p * (_dot(do, v.T) - delta[:, None])
-    return dk + _dot(ds.astype(q.dtype).T, q), dv
+    mask = _mask(q_segment_ref[queries], k_segment, q_index_ref[queries], k_index)
+
+    def attend(carry):
+      dk, dv = carry
+      q, do = q_ref[queries, r, :], do_ref[queries, r, :]
+      lse, delta = lse_ref[r, queries], delta_ref[r, queries]
+      p = _probs(q, k, lse, mask, scale)
+      dv = dv + _dot(p.astype(do.dtype).T, do)
+      ds = p * (_dot(do, v.T) - delta[:, None])
+      return dk + _dot(ds.astype(q.dtype).T, q), dv
+
+    return lax.cond(_any(mask), attend, lambda carry: carry, carry)
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   dk, dv = lax.fori_loop(0, heads * n_q, body, init)
