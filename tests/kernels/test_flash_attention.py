@@ -105,3 +105,18 @@ def test_blocks_must_be_powers_of_two():
 def test_larger_sweep_matches_reference(dtype, h, g):
   arrays, ids, dout = _case(4, 2, 300, 300, h, g, 64, dtype, docs=5, pad=37)
   _assert_close(*_flash_and_reference(arrays, ids, dout, 64, 64), dtype)
+
+
+def test_lowers_to_triton_for_gpu():
+  # No GPU here: lowering for CUDA still runs Pallas's Triton lowering of all three kernels (forward, dq, dk/dv).
+  q = jax.ShapeDtypeStruct((2, 300, 8, 24), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 24), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+  def loss(q, k, v, segment, index):
+    out = ops.flash_attention(q, k, v, segment, segment, index, index, block_q=64, block_k=32, interpret=False)
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  hlo = grad.trace(q, kv, kv, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("custom_call @__gpu$xla.gpu.triton") == 3
