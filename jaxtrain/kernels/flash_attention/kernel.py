@@ -16,7 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Finite, so that a block where a row sees no key gives exp(MASK - MASK) = 1 to be masked out rather than NaN.
+# Finite: a row whose keys in a tile are all masked keeps a finite running max, so its correction exp(m - m_next)
+# is never exp(-inf + inf) = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -32,6 +33,7 @@ def _any(mask):
 
 
 def _dot(a, b):
+  """a @ b accumulated in float32 (bf16 operands stay bf16, as the tensor cores take them)."""
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
