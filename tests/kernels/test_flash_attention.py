@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.kernels.flash_attention import ops, reference
+from jaxtrain.kernels.flash_attention import kernel, ops, reference
 
 # Interpret mode is a scan over the grid: XLA's optimizations only slow its compile, not anything tested.
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -118,3 +118,18 @@ def test_lowers_to_triton_for_gpu():
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   hlo = grad.trace(q, kv, kv, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
   assert hlo.count("custom_call @__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.slow
+def test_forward_saves_logsumexp_and_minus_infinity_for_rows_that_see_no_key():
+  # The lse a consumer may merge partial results with (context parallelism): log sum exp of the allowed scores.
+  arrays, (q_segment, k_segment, q_index, k_index), _ = _case(5, 1, 32, 64, 2, 1, 16, jnp.float32, docs=2)
+  q_segment = q_segment.at[:, :3].set(9)
+  q, k, v = arrays
+  _, lse_BHL = _jit(functools.partial(kernel.forward, scale=0.25, block_q=32, block_k=32, interpret=True))(
+      q, k, v, q_segment, k_segment, q_index, k_index)
+  scores_BHLS = jnp.einsum("BLHK,BSK->BHLS", q, k[:, :, 0]) * 0.25  # MQA: one kv head
+  allowed_BLS = reference.mask(q_segment, k_segment, q_index, k_index)
+  want_BHL = jax.nn.logsumexp(jnp.where(allowed_BLS[:, None], scores_BHLS, -jnp.inf), axis=-1)
+  assert np.isneginf(np.asarray(lse_BHL[:, :, :3])).all()
+  np.testing.assert_allclose(lse_BHL, want_BHL, rtol=1e-5, atol=1e-5)
