@@ -98,7 +98,9 @@ class Transformer(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, return_hidden: bool = False):
+    """`return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses
+    the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`)."""
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
@@ -117,6 +119,10 @@ class Transformer(nn.Module):
       if stats is not None:  # per-layer MoE statistics, [layers, ...], read by the train step
         self.sow("moe_stats", f"{name}_stats", stats)
     x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
+    if return_hidden:
+      if not c.tie_embeddings:  # created all the same: one parameter tree whatever the caller asks
+        param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB), c.param_dtype, c.init_std)
+      return x_BLD
     if c.tie_embeddings:
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.compute_dtype),
                               preferred_element_type=jnp.float32)
