@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ModelConfig
+from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
 from jaxtrain.model import axes
 from jaxtrain.model.attention import Attention, attention_mask
 from jaxtrain.model.layers import RMSNorm, param
@@ -23,6 +24,19 @@ REMAT_POLICIES = {
 }
 
 
+class AddRMSNorm(nn.Module):
+  """residual + x, then RMSNorm, as one op (jaxtrain/kernels/rms_norm) of implementation `impl`: (normed, sum).
+  Its parameter is RMSNorm's ("scale", ones), so either module reads the same checkpoint."""
+  eps: float
+  param_dtype: jnp.dtype
+  impl: str
+
+  @nn.compact
+  def __call__(self, x_BLD, residual_BLD):
+    scale_D = param(self, "scale", (x_BLD.shape[-1],), (axes.EMBED,), self.param_dtype, None)
+    return rms_norm_ops.add_rms_norm(x_BLD, residual_BLD, scale_D, self.eps, impl=self.impl)
+
+
 class Block(nn.Module):
   """One pre-norm decoder layer (dense or MoE feed-forward); the scan body: returns (carry, MoE stats)."""
   cfg: ModelConfig
@@ -33,8 +47,12 @@ class Block(nn.Module):
   def __call__(self, x_BLD, positions_BL, mask_BLS, valid_BL):
     c = self.cfg
     h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x_BLD)
-    x_BLD = x_BLD + Attention(c, self.decode, name="attn")(h_BLD, positions_BL, mask_BLS)
-    h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
+    a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, mask_BLS)
+    if c.fused_norm == "off":
+      x_BLD = x_BLD + a_BLD
+      h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
+    else:
+      h_BLD, x_BLD = AddRMSNorm(c.norm_eps, c.param_dtype, c.fused_norm, name="mlp_norm")(a_BLD, x_BLD)
     stats = None
     if self.moe:
       y_BLD, stats = MoeMlp(c, name="moe")(h_BLD, valid_BL)
