@@ -73,17 +73,21 @@ class LanguageModel(Task):
     variables = self.model.init(rng, jnp.zeros((1, self.seq_len), jnp.int32))
     return variables["params"], {k: v for k, v in variables.items() if k in NON_TRAINABLE}, {}
 
-  def loss(self, params, batch, extra, task_state):
-    """Summed objective (ce + z-loss + MoE router losses), with the parts as sums."""
-    del task_state
+  def _cross_entropy(self, params, extra, batch, z_loss: float):
+    """(ce, z, tokens) sums and the model's sown collections; train.cross_entropy picks the head: full
+    logits, or the output projection fused into the loss."""
     fused = self.cfg.train.cross_entropy != "full"
     out_BLX, aux = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
                                     batch["segment_ids"], return_hidden=fused, mutable=["moe_stats"])
     if fused:
-      ce, z, tokens = fused_cross_entropy(self.model, params, out_BLX, batch["targets"], batch["loss_mask"],
-                                          self.z_loss, self.cfg.train)
-    else:
-      ce, z, tokens = cross_entropy(out_BLX, batch["targets"], batch["loss_mask"], self.z_loss)
+      return fused_cross_entropy(self.model, params, out_BLX, batch["targets"], batch["loss_mask"], z_loss,
+                                 self.cfg.train), aux
+    return cross_entropy(out_BLX, batch["targets"], batch["loss_mask"], z_loss), aux
+
+  def loss(self, params, batch, extra, task_state):
+    """Summed objective (ce + z-loss + MoE router losses), with the parts as sums."""
+    del task_state
+    (ce, z, tokens), aux = self._cross_entropy(params, extra, batch, self.z_loss)
     moe = moe_summary(aux.get("moe_stats", {}))
     objective = ce + z
     if moe:  # router losses are token means: weighted by this batch's tokens, like the summed ce
@@ -111,9 +115,7 @@ class LanguageModel(Task):
   def eval_sums(self, params, extra, task_state, batch):
     """Summed cross-entropy, token count and (synthetic data) summed exact entropy of one batch."""
     del task_state
-    logits_BLV = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                  batch["segment_ids"], mutable=["moe_stats"])[0]
-    ce, _, tokens = cross_entropy(logits_BLV, batch["targets"], batch["loss_mask"], 0.0)
+    (ce, _, tokens), _ = self._cross_entropy(params, extra, batch, 0.0)
     entropy = jnp.sum(batch["entropy"] * batch["loss_mask"]) if "entropy" in batch else jnp.zeros(())
     return {"ce": ce, "tokens": tokens, "entropy": entropy}
 
