@@ -41,8 +41,8 @@ def _objective(impl, layout, z_loss, token_chunk, vocab_chunk, targets_N, mask_N
 @pytest.mark.parametrize("n,d,v,token_chunk,vocab_chunk,layout,dtype", [
     (37, 16, 101, 8, 32, "DV", jnp.float32),  # neither N nor V a multiple of its chunk
     (37, 16, 101, 8, 32, "VD", jnp.bfloat16),
-    (24, 8, 64, 8, 16, "VD", jnp.float32),  # both multiples
-    (5, 16, 50, 64, 512, "DV", jnp.bfloat16),  # chunks larger than the arrays
+    pytest.param(24, 8, 64, 8, 16, "VD", jnp.float32, marks=pytest.mark.slow),  # both multiples
+    pytest.param(5, 16, 50, 64, 512, "DV", jnp.bfloat16, marks=pytest.mark.slow),  # chunks larger than the arrays
     (19, 24, 7, 3, 2, "VD", jnp.float32),  # tiny chunks
 ])
 def test_chunked_equals_reference(n, d, v, token_chunk, vocab_chunk, layout, dtype):
@@ -76,10 +76,10 @@ def _loss_and_grads(cfg, params, batch):
   return objective, sums, grads, task.eval_sums(params, {}, {}, batch)["ce"]
 
 
-@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_language_model_loss_and_gradients_equal_full(tie):
-  """A tiny model (vocab 64 in chunks of 24, 128 tokens in chunks of 48) with z-loss, run both ways."""
-  cfg = tiny_config(model=dict(tie_embeddings=tie), train=dict(z_loss=1e-3))
+  """A tiny model (vocab 64 in chunks of 24, 64 tokens in chunks of 24) with z-loss, run both ways."""
+  cfg = tiny_config(model=dict(tie_embeddings=tie, n_layers=1), train=dict(z_loss=1e-3, batch_size=4))
   params, _, _ = LanguageModel(cfg, "").init(jax.random.key(0))
   params = nn.unbox(params)
   k = jax.random.split(jax.random.key(1), 2)
@@ -89,7 +89,7 @@ def test_language_model_loss_and_gradients_equal_full(tie):
            "positions": jnp.broadcast_to(jnp.arange(l), (b, l)),
            "loss_mask": (jax.random.uniform(k[1], (b, l)) > 0.1).astype(jnp.float32)}
   full = _loss_and_grads(cfg, params, batch)
-  cfg.train.update(cross_entropy="chunked", ce_token_chunk=48, ce_vocab_chunk=24)
+  cfg.train.update(cross_entropy="chunked", ce_token_chunk=24, ce_vocab_chunk=24)
   fused = _loss_and_grads(cfg, params, batch)
   np.testing.assert_allclose(float(fused[0]), float(full[0]), rtol=1e-6)
   for key in ("ce", "z", "count"):
@@ -113,6 +113,7 @@ def _head_temp_bytes(impl, n, d, v):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # two compiles at gpt2_small's head size
 def test_head_memory_is_a_chunk_not_the_logits():
   """gpt2_small's head and loss at 8 x 1024 tokens (loss + grad, compiled, not run): the unfused one holds
   [N, V] float32 logits and their gradient; the chunked one tiles and weight-sized buffers (its float32 dw

@@ -47,7 +47,7 @@ def test_kernel_equals_reference(shape, block_rows, dtype):
 
 def test_decoder_with_fused_norm_equals_unfused():
   """Loss and gradients of a tiny model, the block's add + mlp_norm as the Pallas kernel vs separate ops."""
-  cfg = tiny_config(model=dict(n_layers=2))
+  cfg = tiny_config(model=dict(n_layers=1), train=dict(batch_size=4))
   params = nn.unbox(LanguageModel(cfg, "").init(jax.random.key(0))[0])
   b, l = cfg.train.batch_size, cfg.train.seq_len
   tokens = jax.random.randint(jax.random.key(1), (b, l + 1), 0, cfg.model.vocab_size)
