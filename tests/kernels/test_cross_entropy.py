@@ -72,8 +72,8 @@ def test_extreme_logits_stay_finite():
 def _loss_and_grads(cfg, params, batch):
   task = LanguageModel(cfg, "")
   loss = lambda p: task.loss(p, batch, {}, {})
-  (objective, sums), grads = jax.value_and_grad(loss, has_aux=True)(params)
-  return objective, sums, grads, task.eval_sums(params, {}, {}, batch)["ce"]
+  (objective, sums), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return objective, sums, grads, jax.jit(task.eval_sums)(params, {}, {}, batch)["ce"]
 
 
 @pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
