@@ -42,6 +42,8 @@ DTYPES = ("float32", "bfloat16")
 COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
 MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
+CROSS_ENTROPY = ("full", "chunked")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
+FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
 
 
 class ConfigError(ValueError):
@@ -83,6 +85,9 @@ class ModelConfig:
   aux_loss_weight: float = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e * p_e)
   router_z_weight: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(router logits)^2)
   bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): per-expert bias step; 0 = off
+  # The block's residual add + mlp_norm as one op (jaxtrain/kernels/rms_norm): one of FUSED_NORM; "off" keeps
+  # the separate add and RMSNorm module (same parameters either way).
+  fused_norm: str = "off"
 
   @property
   def expert_d_ff(self) -> int:
@@ -129,6 +134,11 @@ def default_config() -> ml_collections.ConfigDict:
   t.eval_every = 200
   t.eval_batches = 4
   t.z_loss = 0.0
+  # The output projection + loss (jaxtrain/kernels/cross_entropy): "full" materializes the [B, L, V] float32
+  # logits; "chunked" fuses them into the loss tile by tile (O(chunk) memory, same values up to reassociation).
+  t.cross_entropy = "full"  # one of CROSS_ENTROPY
+  t.ce_token_chunk = 1024  # chunked: tokens per tile
+  t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile
   t.peer_timeout_s = 60.0  # multi-process: a peer silent this long is lost; the others end with status 6
 
   c.optim = o = ml_collections.ConfigDict()
@@ -248,12 +258,15 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("model.router", m.router, ROUTERS)
   _check_choice("model.dispatch", m.dispatch, DISPATCH)
   _check_choice("model.grouped_matmul", m.grouped_matmul, GROUPED_MATMUL)
+  _check_choice("train.cross_entropy", t.cross_entropy, CROSS_ENTROPY)
+  _check_choice("model.fused_norm", m.fused_norm, FUSED_NORM)
   shape = mesh_shape(cfg.mesh, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len"):
     if m[key] <= 0:
       raise ConfigError(f"model.{key} must be positive, got {m[key]}")
-  for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s"):
+  for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s", "ce_token_chunk",
+              "ce_vocab_chunk"):
     if t[key] <= 0:
       raise ConfigError(f"train.{key} must be positive, got {t[key]}")
   if m.n_heads % m.n_kv_heads:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ModelConfig
+from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
 from jaxtrain.model import axes
 from jaxtrain.model.attention import Attention, attention_mask
 from jaxtrain.model.layers import RMSNorm, param
@@ -23,6 +24,19 @@ REMAT_POLICIES = {
 }
 
 
+class AddRMSNorm(nn.Module):
+  """residual + x, then RMSNorm, as one op (jaxtrain/kernels/rms_norm) of implementation `impl`: (normed, sum).
+  Its parameter is RMSNorm's ("scale", ones), so either module reads the same checkpoint."""
+  eps: float
+  param_dtype: jnp.dtype
+  impl: str
+
+  @nn.compact
+  def __call__(self, x_BLD, residual_BLD):
+    scale_D = param(self, "scale", (x_BLD.shape[-1],), (axes.EMBED,), self.param_dtype, None)
+    return rms_norm_ops.add_rms_norm(x_BLD, residual_BLD, scale_D, self.eps, impl=self.impl)
+
+
 class Block(nn.Module):
   """One pre-norm decoder layer (dense or MoE feed-forward); the scan body: returns (carry, MoE stats)."""
   cfg: ModelConfig
@@ -33,8 +47,12 @@ class Block(nn.Module):
   def __call__(self, x_BLD, positions_BL, mask_BLS, valid_BL):
     c = self.cfg
     h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x_BLD)
-    x_BLD = x_BLD + Attention(c, self.decode, name="attn")(h_BLD, positions_BL, mask_BLS)
-    h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
+    a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, mask_BLS)
+    if c.fused_norm == "off":
+      x_BLD = x_BLD + a_BLD
+      h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
+    else:
+      h_BLD, x_BLD = AddRMSNorm(c.norm_eps, c.param_dtype, c.fused_norm, name="mlp_norm")(a_BLD, x_BLD)
     stats = None
     if self.moe:
       y_BLD, stats = MoeMlp(c, name="moe")(h_BLD, valid_BL)
@@ -98,7 +116,9 @@ class Transformer(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, return_hidden: bool = False):
+    """`return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses
+    the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`)."""
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
@@ -117,6 +137,10 @@ class Transformer(nn.Module):
       if stats is not None:  # per-layer MoE statistics, [layers, ...], read by the train step
         self.sow("moe_stats", f"{name}_stats", stats)
     x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
+    if return_hidden:
+      if not c.tie_embeddings:  # created all the same: one parameter tree whatever the caller asks
+        param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB), c.param_dtype, c.init_std)
+      return x_BLD
     if c.tie_embeddings:
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.compute_dtype),
                               preferred_element_type=jnp.float32)

@@ -1,10 +1,12 @@
 """Language-model pre-training, the first task: next-token cross-entropy (+ z-loss) summed over tokens,
 the MoE router losses, and the expert-bias update of auxiliary-loss-free balancing."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxtrain import data, metrics as metrics_lib
+from jaxtrain.kernels.cross_entropy import ops as ce_ops
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
 from jaxtrain.train.task import Task, process_rows
 
@@ -18,6 +20,17 @@ def cross_entropy(logits_BLV, targets_BL, mask_BL, z_loss: float):
   ce = jnp.sum((lse_BL - target_logit_BL) * mask_BL)
   z = z_loss * jnp.sum(jnp.square(lse_BL) * mask_BL)
   return ce, z, jnp.sum(mask_BL)
+
+
+def fused_cross_entropy(model: Transformer, params, hidden_BLD, targets_BL, mask_BL, z_loss: float, t):
+  """cross_entropy of the model's logits, the output projection fused into the loss (`t`: the train section)."""
+  c = model.cfg
+  w, layout = (params["embed"], "VD") if c.tie_embeddings else (params["unembed"], "DV")
+  w = nn.unbox(w).astype(c.compute_dtype)
+  b, l, d = hidden_BLD.shape
+  return ce_ops.cross_entropy(hidden_BLD.reshape(b * l, d), w, targets_BL.reshape(-1), mask_BL.reshape(-1), z_loss,
+                              w_layout=layout, impl=t.cross_entropy, token_chunk=t.ce_token_chunk,
+                              vocab_chunk=t.ce_vocab_chunk)
 
 
 def moe_summary(moe_stats: dict) -> dict:
@@ -60,12 +73,21 @@ class LanguageModel(Task):
     variables = self.model.init(rng, jnp.zeros((1, self.seq_len), jnp.int32))
     return variables["params"], {k: v for k, v in variables.items() if k in NON_TRAINABLE}, {}
 
+  def _cross_entropy(self, params, extra, batch, z_loss: float):
+    """(ce, z, tokens) sums and the model's sown collections; train.cross_entropy picks the head: full
+    logits, or the output projection fused into the loss."""
+    fused = self.cfg.train.cross_entropy != "full"
+    out_BLX, aux = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
+                                    batch["segment_ids"], return_hidden=fused, mutable=["moe_stats"])
+    if fused:
+      return fused_cross_entropy(self.model, params, out_BLX, batch["targets"], batch["loss_mask"], z_loss,
+                                 self.cfg.train), aux
+    return cross_entropy(out_BLX, batch["targets"], batch["loss_mask"], z_loss), aux
+
   def loss(self, params, batch, extra, task_state):
     """Summed objective (ce + z-loss + MoE router losses), with the parts as sums."""
     del task_state
-    logits_BLV, aux = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                       batch["segment_ids"], mutable=["moe_stats"])
-    ce, z, tokens = cross_entropy(logits_BLV, batch["targets"], batch["loss_mask"], self.z_loss)
+    (ce, z, tokens), aux = self._cross_entropy(params, extra, batch, self.z_loss)
     moe = moe_summary(aux.get("moe_stats", {}))
     objective = ce + z
     if moe:  # router losses are token means: weighted by this batch's tokens, like the summed ce
@@ -93,9 +115,7 @@ class LanguageModel(Task):
   def eval_sums(self, params, extra, task_state, batch):
     """Summed cross-entropy, token count and (synthetic data) summed exact entropy of one batch."""
     del task_state
-    logits_BLV = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                  batch["segment_ids"], mutable=["moe_stats"])[0]
-    ce, _, tokens = cross_entropy(logits_BLV, batch["targets"], batch["loss_mask"], 0.0)
+    (ce, _, tokens), _ = self._cross_entropy(params, extra, batch, 0.0)
     entropy = jnp.sum(batch["entropy"] * batch["loss_mask"]) if "entropy" in batch else jnp.zeros(())
     return {"ce": ce, "tokens": tokens, "entropy": entropy}
 

@@ -1,0 +1,34 @@
+"""Error feedback + quantization in one pass: `quantize_with_feedback` picks the XLA reference or the Pallas
+kernel (interpreted on CPU). Not differentiated: it runs on gradients inside the optimizer."""
+
+import jax
+
+from jaxtrain.kernels.quantize import kernel, reference
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def quantize_with_feedback(g, error, fmt: str, block: int = 256, scale=None, *, impl: str = "xla",
+                           rows_per_program: int = 8, interpret: bool | None = None):
+  """(payload, scales, new error) of g + error in `fmt`, as reference.quantize_with_feedback (same bits)."""
+  if fmt not in reference.FORMATS:
+    raise ValueError(f"quantize_with_feedback: unknown format {fmt!r}; choose one of {', '.join(reference.FORMATS)}")
+  if impl == "xla":
+    return reference.quantize_with_feedback(g, error, fmt, block, scale)
+  if impl != "pallas":
+    raise ValueError(f"quantize_with_feedback: unknown implementation {impl!r}; choose one of "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  shape = g.shape
+  if fmt in reference.QMAX and shape[-1] % block:
+    raise ValueError(f"quantize_with_feedback: {fmt} needs a last axis that is a multiple of block={block}, "
+                     f"got {shape[-1]}")
+  cols = block if g.size % block == 0 else shape[-1]  # rows of one block where they fit, else of the last axis
+  e = None if error is None else error.reshape(-1, cols)
+  payload, scales, new_error = kernel.quantize_rows(g.reshape(-1, cols), e, fmt, scale, rows_per_program,
+                                                    interpret)
+  payload = payload.reshape(*shape[:-1], shape[-1] // 2 if fmt == "int4" else shape[-1])
+  if fmt in reference.QMAX:
+    scales = scales.reshape(*shape[:-1], shape[-1] // block)
+  return payload, scales, new_error.reshape(shape)
