@@ -88,6 +88,16 @@ class ModelConfig:
   # The block's residual add + mlp_norm as one op (jaxtrain/kernels/rms_norm): one of FUSED_NORM; "off" keeps
   # the separate add and RMSNorm module (same parameters either way).
   fused_norm: str = "off"
+  # RoPE scaling (jaxtrain/model/layers.py FREQUENCIES): rotary frequencies stretched past the context
+  # the model was pre-trained on, computed as HF transformers' ROPE_INIT_FUNCTIONS compute them.
+  rope_scaling: str = "none"  # one of ROPE_SCALINGS
+  rope_factor: float = 1.0  # linear, llama3, yarn: how many times the pre-training context is stretched
+  rope_original_max_len: int = 0  # llama3, yarn: the pre-training context (HF original_max_position_embeddings)
+  rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by the factor
+  rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+  rope_beta_fast: float = 32.0  # yarn: rotations over original_max_len above which a frequency is kept
+  rope_beta_slow: float = 1.0  # yarn: rotations below which it is divided by the factor
+  rope_attention_factor: float = 0.0  # yarn: cos and sin are multiplied by this; 0 = 0.1 ln(factor) + 1
 
   @property
   def expert_d_ff(self) -> int:
@@ -305,6 +315,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(f"an explicit reduction over {axis} (compression, DiLoCo, optim.reduce_axis) with experts "
                       f"needs the other data axes at size 1: the experts' shard_map cannot nest in the step's yet "
                       f"(set --config.mesh.{axis}={math.prod(shape[a] for a in DATA_AXES)})")
+  validate_rope(m)
   _validate_checkpoint(cfg.checkpoint)
   _validate_floats(cfg)
   _validate_optim(o)
@@ -431,6 +442,31 @@ def _validate_moe(m, shape, rules):
     raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by the expert axis ({shape['expert']})")
   if "tp" in rules and (m.d_ff_expert or m.d_ff) % shape["tensor"]:
     raise ConfigError(f"the expert hidden size is not divisible by the tensor axis ({shape['tensor']})")
+
+
+# RoPE scaling: none; linear = position interpolation (Chen et al., 2023); llama3 = Llama 3.1's frequency-dependent
+# scaling; yarn (Peng et al., 2023). The math: jaxtrain/model/layers.py; HF import/export: checkpoint/hf.py.
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
+
+def validate_rope(m) -> None:
+  """ConfigError (one line) unless the model section's (or a ModelConfig's) rope scaling can be computed."""
+  _check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+  if m.rope_scaling == "none":
+    return
+  if not m.rope_factor > 0:
+    raise ConfigError(f"model.rope_factor must be positive with rope_scaling={m.rope_scaling!r}, got {m.rope_factor}")
+  if m.rope_scaling in ("llama3", "yarn") and m.rope_original_max_len <= 0:
+    raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} needs model.rope_original_max_len (the pre-training "
+                      f"context) > 0, got {m.rope_original_max_len}")
+  if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and rope_high_freq_factor="
+                      f"{m.rope_high_freq_factor} must satisfy 0 < low < high")
+  if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+    raise ConfigError(f"model.rope_beta_slow={m.rope_beta_slow} and rope_beta_fast={m.rope_beta_fast} must "
+                      "satisfy 0 < slow < fast")
+  if m.rope_attention_factor < 0:
+    raise ConfigError(f"model.rope_attention_factor must be >= 0 (0 = derived), got {m.rope_attention_factor}")
 
 
 # Keys a resumed run may change: where and how often it runs, logs and saves, not what it computes.

@@ -109,6 +109,20 @@ BAD = {
     "comm axis unknown": ["--config.mesh.replica=4", "--config.comm.axis=fsdp"],
     "compression with experts inside a replica": ["--config.mesh.replica=4", "--config.comm.format=int8",
                                                   "--config.model.n_experts=4"],
+    # rope scaling
+    "unknown rope scaling": ["--config.model.rope_scaling=ntk"],
+    "rope factor zero": ["--config.model.rope_scaling=linear", "--config.model.rope_factor=0.0"],
+    "rope factor nan": ["--config.model.rope_scaling=yarn", "--config.model.rope_original_max_len=64",
+                        "--config.model.rope_factor=nan"],
+    "llama3 rope without the original length": ["--config.model.rope_scaling=llama3", "--config.model.rope_factor=8.0"],
+    "llama3 rope low frequency factor not below high": [
+        "--config.model.rope_scaling=llama3", "--config.model.rope_factor=8.0",
+        "--config.model.rope_original_max_len=64", "--config.model.rope_low_freq_factor=4.0"],
+    "yarn rope beta slow above fast": ["--config.model.rope_scaling=yarn", "--config.model.rope_factor=4.0",
+                                       "--config.model.rope_original_max_len=64", "--config.model.rope_beta_slow=64.0"],
+    "yarn rope attention factor negative": ["--config.model.rope_scaling=yarn", "--config.model.rope_factor=4.0",
+                                            "--config.model.rope_original_max_len=64",
+                                            "--config.model.rope_attention_factor=-1.0"],
 }
 
 

@@ -36,6 +36,9 @@ TOKENIZER_FILES = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}  
 MOE_KEYS = ("n_experts", "top_k", "d_ff_expert", "n_shared_experts", "router", "renormalize", "route_scale",
             "dispatch", "grouped_matmul", "capacity_factor", "moe_first_dense", "moe_every", "aux_loss_weight",
             "router_z_weight", "bias_update_rate")  # shown only for a mixture-of-experts model
+ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow",
+                     "rope_attention_factor")  # shown only for a model with rope scaling
 TRAIN_KEYS = ("train.steps", "train.batch_size", "train.seq_len", "train.seed", "optim.name", "optim.lr",
               "optim.schedule", "checkpoint.every_steps", "checkpoint.dir", "checkpoint.fast_dir",
               "data.kind", "data.tokenizer")
@@ -250,7 +253,8 @@ def describe(src: str, step: int | None = None) -> str:
   lines.append(f"params: {totals['params'][0]:,} ({_human(totals['params'][1])}); "
                f"state item: {len(leaves)} arrays, {totals['state'][0]:,} values ({_human(totals['state'][1])})")
   cfg = read_config(src, mngr, step)
-  model = {k: v for k, v in cfg.model.items() if cfg.model.get("n_experts") or k not in MOE_KEYS}
+  model = {k: v for k, v in cfg.model.items() if (cfg.model.get("n_experts") or k not in MOE_KEYS)
+           and (cfg.model.get("rope_scaling", "none") != "none" or k not in ROPE_SCALING_KEYS)}
   lines.append("model: " + " ".join(f"{k}={v}" for k, v in model.items()))
   lines.append("train: " + " ".join(f"{k}={_lookup(cfg, k)}" for k in TRAIN_KEYS if _lookup(cfg, k) is not None))
   return "\n".join(lines)

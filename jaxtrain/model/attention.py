@@ -50,8 +50,8 @@ class Attention(nn.Module):
     q_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD, w_q.astype(cd))
     k_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w_k.astype(cd))
     v_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w_v.astype(cd))
-    q_BLHK = constrain(rope(q_BLHK, positions_BL, c.rope_theta), (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
-    k_BLGK = constrain(rope(k_BLGK, positions_BL, c.rope_theta), (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
+    q_BLHK = constrain(rope(q_BLHK, positions_BL, c), (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
+    k_BLGK = constrain(rope(k_BLGK, positions_BL, c), (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
     v_BLGK = constrain(v_BLGK, (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
 
     if self.decode:

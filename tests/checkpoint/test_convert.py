@@ -172,7 +172,7 @@ def test_inspect_converted(converted, capsys):
   rc, out, _ = run(capsys, "inspect", root / "wd" / "checkpoints")
   assert rc == 0 and "step 0 in" in out
   assert "params/layers/mlp/down" in out and "[2, 96, 64]" in out and "rope_theta=12345.0" in out
-  assert "opt_state" not in out
+  assert "opt_state" not in out and "rope_factor" not in out  # rope scaling keys only for a scaled model
 
 
 @pytest.mark.parametrize("argv", [

@@ -144,7 +144,7 @@ def test_config_defaults_are_mixtrals():
 
 @pytest.mark.parametrize("change", [{"sliding_window": 4096}, {"sliding_window": 4096 * 32 - 1},  # window < positions
                                     {"num_experts_per_tok": 9}, {"hidden_act": "gelu"},
-                                    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}])
+                                    {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}])
 def test_config_refuses_what_jaxtrain_cannot_run(change):
   with pytest.raises(ValueError) as e:
     hf.config_from_hf({**MIXTRAL, **change})
