@@ -485,8 +485,11 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 
 def incompatible(saved: dict, current: dict) -> list[str]:
-  """The `key: saved -> current` differences that forbid resuming a run saved with `saved`."""
-  a, b = flat(saved), flat(current)
+  """The `key: saved -> current` differences that forbid resuming a run saved with `saved`.
+
+  A key the saved config lacks (added to the schema since) reads as its default: the run was made with it."""
+  defaults = flat(default_config().to_dict())
+  a, b = {**defaults, **flat(saved)}, flat(current)
   return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
           if a.get(k) != b.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
                                                for r in RESUMABLE_CHANGES)]

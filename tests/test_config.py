@@ -147,3 +147,12 @@ def test_overrides_are_typed():
   cfg = config_files.apply_overrides(config_lib.default_config(),
                                    {"optim.lr": "1e-3", "train.steps": "7", "model.tie_embeddings": "false"})
   assert cfg.optim.lr == 1e-3 and cfg.train.steps == 7 and cfg.model.tie_embeddings is False
+
+
+def test_a_run_saved_before_a_key_existed_resumes_when_the_key_has_its_default():
+  saved = config_lib.default_config().to_dict()
+  del saved["model"]["rope_scaling"]  # a checkpoint written before RoPE scaling existed
+  current = config_lib.default_config()
+  assert config_lib.incompatible(saved, current.to_dict()) == []
+  current.model.rope_scaling = "linear"
+  assert config_lib.incompatible(saved, current.to_dict()) == ["model.rope_scaling: 'none' -> 'linear'"]
