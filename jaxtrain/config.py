@@ -42,6 +42,7 @@ DTYPES = ("float32", "bfloat16")
 COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
 MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
+ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,9 @@ class ModelConfig:
   aux_loss_weight: float = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e * p_e)
   router_z_weight: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(router logits)^2)
   bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3): per-expert bias step; 0 = off
+  # Attention implementation (jaxtrain/model/attention.py)
+  attention: str = "auto"  # one of ATTENTION; auto: splash on TPU, cudnn on GPU (pallas if packed), CPU by length
+  attention_block: int = 512  # blockwise: keys/values (and queries) per block
 
   @property
   def expert_d_ff(self) -> int:
@@ -248,9 +252,10 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("model.router", m.router, ROUTERS)
   _check_choice("model.dispatch", m.dispatch, DISPATCH)
   _check_choice("model.grouped_matmul", m.grouped_matmul, GROUPED_MATMUL)
+  _check_choice("model.attention", m.attention, ATTENTION)
   shape = mesh_shape(cfg.mesh, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-              "max_seq_len"):
+              "max_seq_len", "attention_block"):
     if m[key] <= 0:
       raise ConfigError(f"model.{key} must be positive, got {m[key]}")
   for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s"):

@@ -58,6 +58,8 @@ BAD = {
     "unknown key": ["--config.model.n_expertz=8"],
     "bad type": ["--config.train.steps=many"],
     "unknown remat": ["--config.model.remat=some"],
+    "unknown attention": ["--config.model.attention=flash"],
+    "attention block zero": ["--config.model.attention=blockwise", "--config.model.attention_block=0"],
     "top_k above experts": ["--config.model.n_experts=4", "--config.model.top_k=5"],
     "experts over the expert axis": ["--config.model.n_experts=3", "--config.model.top_k=1",
                                      "--config.mesh.expert=2", "--config.mesh.rules=fsdp_ep"],
