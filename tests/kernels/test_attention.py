@@ -144,4 +144,3 @@ def test_blockwise_memory_grows_linearly_xla_quadratically():
     assert m <= 1.1 * block[0] * l / lengths[0], (lengths, block)
   xla = [temp_bytes(lambda *a: attention.xla_attention(*a, cfg), 1, l, 2, 32) for l in lengths[:3]]
   assert xla[2] >= 0.9 * 16 * xla[0], (lengths, xla)  # 4x the length: ~16x the memory
-  assert block[2] < xla[2] / 10
