@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxtrain.model import ModelConfig, Transformer, decode_logits, init_cache
 from tests.fixtures import tiny_config
@@ -58,6 +59,7 @@ def test_blockwise_decode_equals_full_forward():
   np.testing.assert_allclose(jnp.concatenate(got, axis=1), full_BLV, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # four compiles (~10 s); tests/kernels covers permuted indices per implementation
 def test_rows_permuted_with_their_indices_give_permuted_logits():
   """Causality follows `indices_BL`, not the place in the row, for xla and blockwise alike."""
   tokens_BL, positions_BL, segment_BL = packed_batch()
