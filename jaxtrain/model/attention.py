@@ -18,8 +18,8 @@ from jaxtrain.model import axes
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
-# auto on CPU: xla (materialized scores) below this many keys, blockwise from it (benchmarks/RESULTS.md,
-# "Attention implementations")
+# auto on CPU: xla (materialized scores) below this many keys, blockwise from it; the measured crossover lies
+# between 1K and 4K tokens (benchmarks/RESULTS.md, "Attention implementations")
 CPU_BLOCKWISE_FROM = 2048
 
 
