@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
-from jaxtrain.config import ConfigError
+from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.kernels.attention import blockwise
 from jaxtrain.model import axes
 from jaxtrain.model.layers import param, rope
@@ -135,7 +135,7 @@ def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_ind
 
 
 class Attention(nn.Module):
-  cfg: "ModelConfig"  # noqa: F821 (jaxtrain.model.transformer.ModelConfig)
+  cfg: ModelConfig
   decode: bool = False
 
   @nn.compact
