@@ -44,6 +44,7 @@ ERROR_FEEDBACK = ("none", "ef", "ef21")
 MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
 CROSS_ENTROPY = ("full", "chunked")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
+ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 
 
 class ConfigError(ValueError):
@@ -98,6 +99,9 @@ class ModelConfig:
   rope_beta_fast: float = 32.0  # yarn: rotations over original_max_len above which a frequency is kept
   rope_beta_slow: float = 1.0  # yarn: rotations below which it is divided by the factor
   rope_attention_factor: float = 0.0  # yarn: cos and sin are multiplied by this; 0 = 0.1 ln(factor) + 1
+  # Attention implementation (jaxtrain/model/attention.py)
+  attention: str = "auto"  # one of ATTENTION; auto: splash on TPU, cudnn on GPU (pallas if packed), CPU by length
+  attention_block: int = 512  # blockwise: keys/values (and queries) per block
 
   @property
   def expert_d_ff(self) -> int:
@@ -270,9 +274,10 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("model.grouped_matmul", m.grouped_matmul, GROUPED_MATMUL)
   _check_choice("train.cross_entropy", t.cross_entropy, CROSS_ENTROPY)
   _check_choice("model.fused_norm", m.fused_norm, FUSED_NORM)
+  _check_choice("model.attention", m.attention, ATTENTION)
   shape = mesh_shape(cfg.mesh, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-              "max_seq_len"):
+              "max_seq_len", "attention_block"):
     if m[key] <= 0:
       raise ConfigError(f"model.{key} must be positive, got {m[key]}")
   for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s", "ce_token_chunk",

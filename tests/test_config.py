@@ -62,6 +62,8 @@ BAD = {
     "cross entropy token chunk zero": ["--config.train.cross_entropy=chunked", "--config.train.ce_token_chunk=0"],
     "cross entropy vocab chunk negative": ["--config.train.ce_vocab_chunk=-8"],
     "unknown fused norm": ["--config.model.fused_norm=triton"],
+    "unknown attention": ["--config.model.attention=flash"],
+    "attention block zero": ["--config.model.attention=blockwise", "--config.model.attention_block=0"],
     "top_k above experts": ["--config.model.n_experts=4", "--config.model.top_k=5"],
     "experts over the expert axis": ["--config.model.n_experts=3", "--config.model.top_k=1",
                                      "--config.mesh.expert=2", "--config.mesh.rules=fsdp_ep"],

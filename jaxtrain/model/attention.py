@@ -1,21 +1,30 @@
 """Grouped-query attention (Ainslie et al., 2023) with rotary positions, document masking and a
-KV cache for autoregressive decoding. MHA is n_kv_heads == n_heads, MQA is n_kv_heads == 1."""
+KV cache for autoregressive decoding. MHA is n_kv_heads == n_heads, MQA is n_kv_heads == 1.
+
+Attention takes segment ids and token indices, never a [B, L, S] mask: `attend` picks the implementation
+(`model.attention`) and each builds what it needs; all compute `kernels/attention/reference.attention`."""
+
+import functools
+import logging
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
+from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.kernels.attention import blockwise
 from jaxtrain.model import axes
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
+# auto on CPU: xla (materialized scores) below this many keys, blockwise from it; the measured crossover lies
+# between 1K and 4K tokens (benchmarks/RESULTS.md, "Attention implementations")
+CPU_BLOCKWISE_FROM = 2048
 
 
 def attention_mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS):
-  """True where query may attend key: same (non-padding) document and key not in the future.
-
-  Built once per forward pass and shared by all layers."""
+  """True where query may attend key: same (non-padding) document and key not in the future."""
   same_doc = (q_segment_BL[:, :, None] == k_segment_BS[:, None, :]) & (k_segment_BS[:, None, :] > 0)
   causal = k_index_BS[:, None, :] <= q_index_BL[:, :, None]
   return same_doc & causal
@@ -32,12 +41,105 @@ def dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS):
   return jnp.einsum("BHLS,BSHK->BLHK", probs_BHLS, v_BSHK)
 
 
+def xla_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
+  """The [B, H, L, S] scores materialized; a query that may attend no key averages all values (unlike the
+  reference's zeros), which only padding queries do."""
+  mask_BLS = attention_mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+  return dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
+
+
+def blockwise_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
+  """Online softmax over `cfg.attention_block` keys at a time, memory linear in length (also decodes)."""
+  return blockwise.attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                             block=cfg.attention_block)
+
+
+def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
+  """cuDNN flash attention: causal over in-order indices, one document per row (`choose` guarantees both)."""
+  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=True, implementation="cudnn")
+
+
+def pallas_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
+  """The Pallas flash-attention kernel (jaxtrain/kernels/flash_attention), by segment ids and indices."""
+  from jaxtrain.kernels.flash_attention import ops
+  return ops.flash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+
+
+def splash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
+  """TPU splash attention: causal over in-order indices (its mask is static), documents by segment ids."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash
+  b, l, h, kd = q_BLHK.shape
+  g, s = k_BSGK.shape[2], k_BSGK.shape[1]
+  kernel = splash.make_splash_mqa_single_device(splash.MultiHeadMask([splash.CausalMask((l, s))] * (h // g)))
+  q_BGRLK = jnp.einsum("BLGRK->BGRLK", q_BLHK.reshape(b, l, g, h // g, kd)) / jnp.sqrt(kd).astype(q_BLHK.dtype)
+  k_BGSK, v_BGSK = jnp.einsum("BSGK->BGSK", k_BSGK), jnp.einsum("BSGK->BGSK", v_BSGK)
+  per_group = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over kv heads, then over the batch
+  out_BGRLK = jax.vmap(per_group)(q_BGRLK, k_BGSK, v_BGSK, splash.SegmentIds(q_segment_BL, k_segment_BS))
+  return jnp.einsum("BGRLK->BLGRK", out_BGRLK).reshape(b, l, h, kd)
+
+
+IMPLEMENTATIONS = {
+    "xla": xla_attention,
+    "blockwise": blockwise_attention,
+    "cudnn": cudnn_attention,
+    "pallas": pallas_attention,
+    "splash": splash_attention,
+}
+BACKENDS = {"cudnn": "gpu", "splash": "tpu"}  # implementations that run on one backend only
+IN_ORDER_ONLY = ("cudnn", "splash")  # causal by position in the row: cannot honour permuted indices
+
+
+@functools.cache
+def _log_once(message):
+  logging.getLogger(__name__).warning(message)
+
+
+def choose(cfg, length, packed, in_order, decode=False, backend=None):
+  """The implementation `attend` runs: `cfg.attention` resolved for this backend, key length and batch.
+
+  `packed`: segment ids may hold several documents or padding per row; `in_order`: indices are arange.
+  cudnn honours neither packed documents nor permuted indices, splash no permuted indices: those batches
+  go to the backend's fallback, said once in the log. Decoding (queries against the whole KV cache, a few
+  queries at a time, memory-bound) runs xla unless blockwise was asked for: the kernels expect L == S."""
+  backend = backend or jax.default_backend()
+  name = cfg.attention
+  if name in BACKENDS and backend != BACKENDS[name]:
+    raise ConfigError(f"model.attention={name!r} needs a {BACKENDS[name].upper()}, this is {backend!r}; "
+                      f"use auto, xla or blockwise")
+  if name == "auto":
+    name = {"tpu": "splash", "gpu": "cudnn"}.get(backend, "xla" if length < CPU_BLOCKWISE_FROM else "blockwise")
+  if decode and name != "blockwise":
+    return "xla"
+  if name == "cudnn" and packed:
+    _log_once("attention: cudnn cannot mask packed documents (segment ids), using pallas for packed batches")
+    return "pallas"
+  if name in IN_ORDER_ONLY and not in_order:
+    fallback = "pallas" if backend == "gpu" else "xla"
+    _log_once(f"attention: {name} is causal by position only, using {fallback} for permuted token indices")
+    return fallback
+  return name
+
+
+def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg, decode=False):
+  """Softmax attention of q [B, L, H, K] over k, v [B, S, G, K] by segment ids and token indices.
+
+  Segment ids None: one document per row, no padding; indices None: arange (0..L-1 / 0..S-1). Implementation
+  by `choose`; every one equals `kernels/attention/reference.attention` on queries that attend a key."""
+  (b, l), s = q_BLHK.shape[:2], k_BSGK.shape[1]
+  name = choose(cfg, s, packed=q_segment_BL is not None, in_order=q_index_BL is None, decode=decode)
+  if q_segment_BL is None:
+    q_segment_BL, k_segment_BS = jnp.ones((b, l), jnp.int32), jnp.ones((b, s), jnp.int32)
+  if q_index_BL is None:
+    q_index_BL, k_index_BS = jnp.broadcast_to(jnp.arange(l), (b, l)), jnp.broadcast_to(jnp.arange(s), (b, s))
+  return IMPLEMENTATIONS[name](q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg)
+
+
 class Attention(nn.Module):
-  cfg: "ModelConfig"  # noqa: F821 (jaxtrain.model.transformer.ModelConfig)
+  cfg: ModelConfig
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, mask_BLS):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL):
     c = self.cfg
     pd, cd = c.param_dtype, c.compute_dtype
     std, out_std = c.init_std, c.init_std / (2 * c.n_layers) ** 0.5
@@ -55,18 +157,18 @@ class Attention(nn.Module):
     v_BLGK = constrain(v_BLGK, (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
 
     if self.decode:
-      k_BSGK, v_BSGK, mask_BLS = self._update_cache(k_BLGK, v_BLGK)
+      k_BSGK, v_BSGK, q_index_BL, k_index_BS = self._update_cache(k_BLGK, v_BLGK)
+      out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, None, None, q_index_BL, k_index_BS, c, decode=True)
     else:
-      k_BSGK, v_BSGK = k_BLGK, v_BLGK
-
-    out_BLHK = dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
+      out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL, c)
     out_BLHK = constrain(out_BLHK, (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
     return jnp.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd))
 
   def _update_cache(self, k_BLGK, v_BLGK):
-    """Writes the new keys/values at the cache index; masks unwritten and future slots.
+    """Writes the new keys/values at the cache index; returns the cache and the query and key indices.
 
-    Decoding holds one document per row, whose positions count from the cache index."""
+    Decoding holds one document per row, whose positions count from the cache index: the indices mask
+    unwritten and future slots."""
     b, l, g, kd = k_BLGK.shape
     s = self.cfg.max_seq_len
     cached_k = self.variable("cache", "k", jnp.zeros, (b, s, g, kd), k_BLGK.dtype)
@@ -78,6 +180,4 @@ class Attention(nn.Module):
     index.value = i + l
     q_index_BL = jnp.broadcast_to(i + jnp.arange(l), (b, l))
     k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
-    ones_BS, ones_BL = jnp.ones((b, s), jnp.int32), jnp.ones((b, l), jnp.int32)
-    mask_BLS = attention_mask(ones_BL, ones_BS, q_index_BL, k_index_BS)
-    return cached_k.value, cached_v.value, mask_BLS
+    return cached_k.value, cached_v.value, q_index_BL, k_index_BS

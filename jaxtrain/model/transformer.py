@@ -12,7 +12,7 @@ from jaxtrain.collectives import constrain
 from jaxtrain.config import ModelConfig
 from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
 from jaxtrain.model import axes
-from jaxtrain.model.attention import Attention, attention_mask
+from jaxtrain.model.attention import Attention
 from jaxtrain.model.layers import RMSNorm, param
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp
@@ -44,10 +44,10 @@ class Block(nn.Module):
   moe: bool = False
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, mask_BLS, valid_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
     c = self.cfg
     h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x_BLD)
-    a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, mask_BLS)
+    a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, segment_ids_BL, index_BL)
     if c.fused_norm == "off":
       x_BLD = x_BLD + a_BLD
       h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
@@ -67,11 +67,11 @@ class Group(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, mask_BLS, valid_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
     k = self.cfg.moe_every
     for i in range(k):
       x_BLD, stats = Block(self.cfg, self.decode, moe=i == k - 1, name=f"block_{i}")(
-          x_BLD, positions_BL, mask_BLS, valid_BL)
+          x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL)
     return x_BLD, stats
 
 
@@ -100,7 +100,7 @@ def stacked_layers(cfg: ModelConfig, decode: bool, name: str = "layers", kind: s
       block,
       variable_axes={"params": 0, "cache": 0, "moe_state": 0},
       split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
       length=length,
       unroll=1 if cfg.scan_layers else length,
       metadata_params={nn.PARTITION_NAME: axes.LAYERS},
@@ -111,29 +111,27 @@ def stacked_layers(cfg: ModelConfig, decode: bool, name: str = "layers", kind: s
 
 
 class Transformer(nn.Module):
-  """tokens [B, L] -> float32 logits [B, L, V]. Set `decode=True` to run with a KV cache."""
+  """tokens [B, L] -> float32 logits [B, L, V]. Set `decode=True` to run with a KV cache.
+
+  `segment_ids_BL` (0 = padding) None: one document per row. `indices_BL`: each token's place in its
+  un-permuted row, which orders attention causally (context parallelism permutes rows); None: arange.
+  `return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses the
+  output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`)."""
   cfg: ModelConfig
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, return_hidden: bool = False):
-    """`return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses
-    the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`)."""
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None, return_hidden=False):
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    if segment_ids_BL is None:
-      segment_ids_BL = jnp.ones_like(tokens_BL)
     embed_VD = param(self, "embed", (c.vocab_size, c.d_model), (axes.VOCAB, axes.EMBED), c.param_dtype, c.init_std)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.compute_dtype)
     x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
-    mask_BLS = None
-    if not self.decode:  # the cache builds its own mask
-      index_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-      mask_BLS = attention_mask(segment_ids_BL, segment_ids_BL, index_BL, index_BL)
-    valid_BL = segment_ids_BL > 0
-    for name, kind, length in layer_plan(c):
-      x_BLD, stats = stacked_layers(c, self.decode, name, kind, length)(x_BLD, positions_BL, mask_BLS, valid_BL)
+    valid_BL = jnp.ones(tokens_BL.shape, bool) if segment_ids_BL is None else segment_ids_BL > 0
+    for name, kind, length in layer_plan(c):  # the cache makes its own indices when decoding
+      x_BLD, stats = stacked_layers(c, self.decode, name, kind, length)(
+          x_BLD, positions_BL, segment_ids_BL, indices_BL, valid_BL)
       if stats is not None:  # per-layer MoE statistics, [layers, ...], read by the train step
         self.sow("moe_stats", f"{name}_stats", stats)
     x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
