@@ -85,3 +85,9 @@ def pmax(tree, axes: tuple[str, ...]):
 def axis_index(axis: str):
   """This shard's index along manual mesh axis `axis` (0 outside any shard_map)."""
   return jax.lax.axis_index(axis) if axis in manual_axes() else 0
+
+
+def all_gather_along(x, axes: tuple[str, ...], dim: int):
+  """Every shard's `x` concatenated along dimension `dim` over mesh `axes`. The result stays varying, so its
+  cotangent is reduce-scattered back to the shards (an invariant one would be all-reduced, then sliced)."""
+  return jax.lax.all_gather(x, axes, axis=dim, tiled=True)

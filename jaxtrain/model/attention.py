@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
-from jaxtrain.model import axes
+from jaxtrain.kernels.attention import reference
+from jaxtrain.model import axes, context
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
@@ -59,7 +60,12 @@ class Attention(nn.Module):
     else:
       k_BSGK, v_BSGK = k_BLGK, v_BLGK
 
-    out_BLHK = dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
+    if isinstance(mask_BLS, tuple):  # [context parallelism] (segment_ids_BL, indices_BL) from the Transformer
+      segment_BL, index_BL = mask_BLS  # until attention takes them itself (the segment-id refactor)
+      out_BLHK = context.context_attention(q_BLHK, k_BSGK, v_BSGK, segment_BL, segment_BL, index_BL, index_BL,
+                                           reference.attention)
+    else:
+      out_BLHK = dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
     out_BLHK = constrain(out_BLHK, (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
     return jnp.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd))
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ModelConfig
-from jaxtrain.model import axes
+from jaxtrain.model import axes, context
 from jaxtrain.model.attention import Attention, attention_mask
 from jaxtrain.model.layers import RMSNorm, param
 from jaxtrain.model.mlp import Mlp
@@ -98,7 +98,7 @@ class Transformer(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None):
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None):
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
@@ -108,8 +108,11 @@ class Transformer(nn.Module):
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.compute_dtype)
     x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
     mask_BLS = None
-    if not self.decode:  # the cache builds its own mask
-      index_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    # indices_BL: each token's place in its un-permuted row (context parallelism permutes rows; model/context.py)
+    index_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape) if indices_BL is None else indices_BL
+    if not self.decode and context.shards() > 1:  # [context parallelism] attention gets ids, not a [B, L, S] mask
+      mask_BLS = (segment_ids_BL, index_BL)
+    elif not self.decode:  # the cache builds its own mask
       mask_BLS = attention_mask(segment_ids_BL, segment_ids_BL, index_BL, index_BL)
     valid_BL = segment_ids_BL > 0
     for name, kind, length in layer_plan(c):

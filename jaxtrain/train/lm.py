@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import data, metrics as metrics_lib
-from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
+from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, context, param_count
 from jaxtrain.train.task import Task, process_rows
 
 NON_TRAINABLE = ("moe_state",)  # model collections kept in the state and updated outside the optimizer
@@ -63,8 +63,9 @@ class LanguageModel(Task):
   def loss(self, params, batch, extra, task_state):
     """Summed objective (ce + z-loss + MoE router losses), with the parts as sums."""
     del task_state
+    batch = context.balance(batch)  # context parallelism: rows permuted for causal load balance (else a no-op)
     logits_BLV, aux = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                       batch["segment_ids"], mutable=["moe_stats"])
+                                       batch["segment_ids"], batch.get("indices"), mutable=["moe_stats"])
     ce, z, tokens = cross_entropy(logits_BLV, batch["targets"], batch["loss_mask"], self.z_loss)
     moe = moe_summary(aux.get("moe_stats", {}))
     objective = ce + z
@@ -93,8 +94,9 @@ class LanguageModel(Task):
   def eval_sums(self, params, extra, task_state, batch):
     """Summed cross-entropy, token count and (synthetic data) summed exact entropy of one batch."""
     del task_state
+    batch = context.balance(batch)  # context parallelism: rows permuted for causal load balance (else a no-op)
     logits_BLV = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                  batch["segment_ids"], mutable=["moe_stats"])[0]
+                                  batch["segment_ids"], batch.get("indices"), mutable=["moe_stats"])[0]
     ce, _, tokens = cross_entropy(logits_BLV, batch["targets"], batch["loss_mask"], 0.0)
     entropy = jnp.sum(batch["entropy"] * batch["loss_mask"]) if "entropy" in batch else jnp.zeros(())
     return {"ce": ce, "tokens": tokens, "entropy": entropy}
