@@ -105,6 +105,12 @@ BAD = {
     "comm axis unknown": ["--config.mesh.replica=4", "--config.comm.axis=fsdp"],
     "compression with experts inside a replica": ["--config.mesh.replica=4", "--config.comm.format=int8",
                                                   "--config.model.n_experts=4"],
+    # context parallelism
+    "seq_len not in 2 x context chunks": ["--config.mesh.context=8", "--config.train.seq_len=120"],
+    "context with experts": ["--config.mesh.context=2", "--config.model.n_experts=4"],
+    "context with an explicit reduction": ["--config.mesh.context=2", "--config.mesh.replica=2",
+                                           "--config.comm.format=int8"],
+    "context does not divide devices": ["--config.mesh.context=3"],
 }
 
 

@@ -55,5 +55,5 @@ def test_rules_map_logical_names():
 def test_mesh_fills_minus_one():
   cfg = tiny_config(mesh=dict(data=-1, fsdp=2, tensor=2))
   mesh = parallel.make_mesh(cfg.mesh)
-  assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
