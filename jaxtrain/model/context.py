@@ -12,7 +12,6 @@ Shapes (jaxtrain/model/axes.py): q [B, L, H, K], k and v [B, S, G, K]; segment i
 import math
 
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxtrain import collectives
 from jaxtrain.model import axes
@@ -63,11 +62,19 @@ def context_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_inde
   if not names:
     return attend_local(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
 
+  # Manual over every axis these arrays are laid on (batch, sequence, heads): a collective in a shard_map that
+  # leaves the data axes automatic made XLA gather the whole batch over them first.
+  q_spec = collectives.logical_spec((axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
+  kv_spec = collectives.logical_spec((axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
+  ids_spec = collectives.logical_spec((axes.BATCH, axes.SEQ))
+  manual = {a for spec in (q_spec, kv_spec, ids_spec) for entry in spec if entry
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+
   def local(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS):
     gather = lambda x: collectives.all_gather_along(x, names, dim=1)
     return attend_local(q_BLHK, gather(k_BSGK), gather(v_BSGK), q_segment_BL, gather(k_segment_BS), q_index_BL,
                         gather(k_index_BS))
 
-  seq = P(None, names)
-  return collectives.shard_map(local, names, in_specs=(seq,) * 7, out_specs=seq)(
+  in_specs = (q_spec, kv_spec, kv_spec) + (ids_spec,) * 4
+  return collectives.shard_map(local, tuple(manual), in_specs=in_specs, out_specs=q_spec)(
       q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
