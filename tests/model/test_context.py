@@ -41,17 +41,20 @@ def test_permute_round_trips_and_balances(c):
     np.testing.assert_array_equal(shards_CN[i], want)
 
 
-def test_context_attention_of_a_permuted_row_equals_reference():
-  """Queries on their shards attend all-gathered keys of a load-balanced row (packed documents, padding)."""
-  b, l, h, g, kd, c = 2, 64, 4, 2, 8, 4
+@pytest.mark.parametrize("sizes,rules", [(dict(data=2, context=4), "fsdp"),
+                                         (dict(data=2, context=2, tensor=2), "fsdp_tp")])
+def test_context_attention_of_a_permuted_row_equals_reference(sizes, rules):
+  """Queries on their shards attend all-gathered keys of a load-balanced row (packed documents, padding), with
+  the heads over the tensor axis too."""
+  b, l, h, g, kd, c = 2, 64, 4, 2, 8, sizes["context"]
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(b, l, n, kd)), jnp.float32) for n in (h, g, g))
   segment_BL = jnp.asarray(np.sort(rng.integers(1, 5, (b, l)), axis=1)).at[1, 50:].set(0)  # padding at the end
   index_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
   want = reference.attention(q, k, v, segment_BL, segment_BL, index_BL, index_BL)
-  mesh = parallel.make_mesh(tiny_config(mesh=dict(data=2, context=c)).mesh)
+  mesh = parallel.make_mesh(tiny_config(mesh=sizes).mesh)
   p = lambda x: context.permute(x, c)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES["fsdp"]):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
     assert context.shards() == c
     got = jax.jit(lambda *a: context.context_attention(*a, reference.attention))(
         p(q), p(k), p(v), p(segment_BL), p(segment_BL), p(index_BL), p(index_BL))
