@@ -125,10 +125,12 @@ def test_step_gathers_keys_and_values_not_activations():
   gathers = [r for r in hlo_bytes.collectives(hlo, mesh) if r.kind == "all-gather"]
   kv_bytes = 1 * l * 2 * 8 * 4  # one K or V: [B/data=1, L, G=2, K=8] float32
   kv = [r for r in gathers if r.axes == ("context",) and r.result_bytes == kv_bytes]
-  assert sum(r.runs for r in kv) == 2 * 2, [(r.name, r.axes, r.result_bytes, r.runs) for r in gathers]  # K, V x 2 layers
+  # K and V in each of 2 layers
+  assert sum(r.runs for r in kv) == 2 * 2, [(r.name, r.axes, r.result_bytes, r.runs) for r in gathers]
   assert all(r.axes == ("context",) for r in gathers), [(r.name, r.axes) for r in gathers]
   assert not [r for r in gathers if r.result_bytes >= 1 * l * d * 4], [(r.name, r.result_bytes) for r in gathers]
-  scatters = [r for r in hlo_bytes.collectives(hlo, mesh) if r.kind == "reduce-scatter" and r.operand_bytes == kv_bytes]
+  rows = hlo_bytes.collectives(hlo, mesh)
+  scatters = [r for r in rows if r.kind == "reduce-scatter" and r.operand_bytes == kv_bytes]
   assert sum(r.runs for r in scatters if r.axes == ("context",)) == 2 * 2, scatters
   print("all-gathers:", [(r.name, r.axes, r.result_bytes, r.runs) for r in gathers],
         "reduce-scatters of K/V size:", [(r.name, r.axes, r.runs) for r in scatters])
