@@ -31,6 +31,16 @@ def mesh_axes(logical: str) -> tuple[str, ...]:
   return tuple(a for a in names if axis_size(a) > 1 and a not in manual)
 
 
+def logical_spec(names) -> P:
+  """The PartitionSpec of an array with logical axis `names` under the active rules, with only the mesh axes of
+  size > 1 that are not already manual: the in/out spec of a shard_map manual over all of them."""
+  manual = manual_axes()
+  def keep(spec):
+    names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return tuple(a for a in names if axis_size(a) > 1 and a not in manual) or None
+  return P(*(keep(s) for s in nn.logical_to_mesh_axes(names)))
+
+
 def constrain(x, names):
   """`nn.with_logical_constraint`, also inside a shard_map: mesh axes that are manual there are
   dropped from the constraint (they are no longer GSPMD's to place)."""
@@ -85,3 +95,9 @@ def pmax(tree, axes: tuple[str, ...]):
 def axis_index(axis: str):
   """This shard's index along manual mesh axis `axis` (0 outside any shard_map)."""
   return jax.lax.axis_index(axis) if axis in manual_axes() else 0
+
+
+def all_gather_along(x, axes: tuple[str, ...], dim: int):
+  """Every shard's `x` concatenated along dimension `dim` over mesh `axes`. The result stays varying, so its
+  cotangent is reduce-scattered back to the shards (an invariant one would be all-reduced, then sliced)."""
+  return jax.lax.all_gather(x, axes, axis=dim, tiled=True)

@@ -14,8 +14,13 @@ import ml_collections
 # Flax resolves rules in order and skips a mesh axis a dimension already uses, so an activation
 # [batch, seq, embed] gets fsdp on batch only, while a [vocab, embed] weight gets it on embed.
 DATA_AXES = ("replica", "data", "fsdp", "expert")
+# The sequence splits over `context` (context parallelism, jaxtrain/model/context.py). Its rule comes first, so a
+# [batch, seq, ...] activation takes `context` on seq and the data axes on batch; an array with a batch but no
+# seq (nothing the dense model has today) takes `context` on its batch too.
+_SEQ = [("seq", "context")]
 # "replica", "data_shards": one copy of a state per shard of that mesh axis (optimizer buffers)
-_BATCH = [("batch", DATA_AXES), ("replica", "replica"), ("data_shards", "data")]
+_BATCH = _SEQ + [("batch", DATA_AXES + ("context",)), ("batch", DATA_AXES), ("replica", "replica"),
+                 ("data_shards", "data")]
 _FSDP = [("embed", "fsdp")]
 _EP = [("expert", "expert")]  # experts over the expert axis; tokens travel to them by all-to-all
 _TP = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
@@ -41,10 +46,11 @@ BAD_UTF8 = ("repair", "skip")
 DTYPES = ("float32", "bfloat16")
 COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
-MESH_AXES = ("replica", "data", "fsdp", "expert", "tensor")
 CROSS_ENTROPY = ("full", "chunked")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
+# context sits next to tensor: it gathers keys and values every layer, so it wants the fast links
+MESH_AXES = ("replica", "data", "fsdp", "expert", "context", "tensor")
 
 
 class ConfigError(ValueError):
@@ -198,6 +204,7 @@ def default_config() -> ml_collections.ConfigDict:
   x.data = -1
   x.fsdp = 1
   x.expert = 1
+  x.context = 1  # the sequence split over this many devices (context parallelism); seq_len divides into 2x chunks
   x.tensor = 1
   x.rules = "fsdp"  # one of PRESETS
 
@@ -299,6 +306,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(
         f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) "
         f"over the {data_ways} data-parallel devices (replica*data*fsdp*expert)")
+  _validate_context(cfg, shape)
   if d.kind == "synthetic" and d.symbols + 4 > m.vocab_size:
     raise ConfigError(f"data.symbols={d.symbols} needs model.vocab_size >= {d.symbols + 4}")
   if d.kind == "synthetic" and not 0 < d.stop_prob < 1:
@@ -408,6 +416,22 @@ def _validate_comm(cm, dl, o, m, shape):
     raise ConfigError(f"diloco.fragments={dl.fragments} must divide diloco.inner_steps={dl.inner_steps}")
   if not 0 <= dl.delay < dl.inner_steps:
     raise ConfigError(f"diloco.delay={dl.delay} must be in [0, diloco.inner_steps={dl.inner_steps})")
+
+
+def _validate_context(cfg, shape):
+  """Context parallelism cuts each row into 2 x context chunks (causal load balance, Llama 3)."""
+  cp, t = shape["context"], cfg.train
+  if cp == 1:
+    return
+  if t.seq_len % (2 * cp):
+    raise ConfigError(f"train.seq_len={t.seq_len} does not divide into 2 x {cp} chunks for the context axis ({cp}); "
+                      f"use a multiple of {2 * cp}")
+  if cfg.model.n_experts:
+    raise ConfigError(f"the context axis ({cp}) with experts: the experts' shard_map does not split the sequence "
+                      f"yet (set --config.mesh.context=1)")
+  if manual_axis(cfg):
+    raise ConfigError(f"the context axis ({cp}) with an explicit reduction over {manual_axis(cfg)} (compression, "
+                      f"DiLoCo, optim.reduce_axis): not supported yet (set --config.mesh.context=1)")
 
 
 def _validate_checkpoint(k):

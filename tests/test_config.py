@@ -125,6 +125,12 @@ BAD = {
     "yarn rope attention factor negative": ["--config.model.rope_scaling=yarn", "--config.model.rope_factor=4.0",
                                             "--config.model.rope_original_max_len=64",
                                             "--config.model.rope_attention_factor=-1.0"],
+    # context parallelism
+    "seq_len not in 2 x context chunks": ["--config.mesh.context=8", "--config.train.seq_len=120"],
+    "context with experts": ["--config.mesh.context=2", "--config.model.n_experts=4"],
+    "context with an explicit reduction": ["--config.mesh.context=2", "--config.mesh.replica=2",
+                                           "--config.comm.format=int8"],
+    "context does not divide devices": ["--config.mesh.context=3"],
 }
 
 

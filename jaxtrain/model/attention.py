@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.kernels.attention import blockwise
-from jaxtrain.model import axes
+from jaxtrain.model import axes, context
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
@@ -131,7 +131,11 @@ def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_ind
     q_segment_BL, k_segment_BS = jnp.ones((b, l), jnp.int32), jnp.ones((b, s), jnp.int32)
   if q_index_BL is None:
     q_index_BL, k_index_BS = jnp.broadcast_to(jnp.arange(l), (b, l)), jnp.broadcast_to(jnp.arange(s), (b, s))
-  return IMPLEMENTATIONS[name](q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg)
+  implementation = functools.partial(IMPLEMENTATIONS[name], cfg=cfg)
+  if not decode and context.shards() > 1:  # the sequence is sharded: each shard's queries against all keys
+    return context.context_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                                     implementation)
+  return implementation(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
 
 
 class Attention(nn.Module):

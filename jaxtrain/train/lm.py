@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxtrain import data, metrics as metrics_lib
 from jaxtrain.kernels.cross_entropy import ops as ce_ops
-from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
+from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, context, param_count
 from jaxtrain.train.task import Task, process_rows
 
 NON_TRAINABLE = ("moe_state",)  # model collections kept in the state and updated outside the optimizer
@@ -78,7 +78,8 @@ class LanguageModel(Task):
     logits, or the output projection fused into the loss."""
     fused = self.cfg.train.cross_entropy != "full"
     out_BLX, aux = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                    batch["segment_ids"], return_hidden=fused, mutable=["moe_stats"])
+                                    batch["segment_ids"], batch.get("indices"), return_hidden=fused,
+                                    mutable=["moe_stats"])
     if fused:
       return fused_cross_entropy(self.model, params, out_BLX, batch["targets"], batch["loss_mask"], z_loss,
                                  self.cfg.train), aux
@@ -87,6 +88,7 @@ class LanguageModel(Task):
   def loss(self, params, batch, extra, task_state):
     """Summed objective (ce + z-loss + MoE router losses), with the parts as sums."""
     del task_state
+    batch = context.balance(batch)  # context parallelism: rows permuted for causal load balance (else a no-op)
     (ce, z, tokens), aux = self._cross_entropy(params, extra, batch, self.z_loss)
     moe = moe_summary(aux.get("moe_stats", {}))
     objective = ce + z
@@ -115,6 +117,7 @@ class LanguageModel(Task):
   def eval_sums(self, params, extra, task_state, batch):
     """Summed cross-entropy, token count and (synthetic data) summed exact entropy of one batch."""
     del task_state
+    batch = context.balance(batch)  # context parallelism: rows permuted for causal load balance (else a no-op)
     (ce, _, tokens), _ = self._cross_entropy(params, extra, batch, 0.0)
     entropy = jnp.sum(batch["entropy"] * batch["loss_mask"]) if "entropy" in batch else jnp.zeros(())
     return {"ce": ce, "tokens": tokens, "entropy": entropy}

@@ -55,5 +55,16 @@ def test_rules_map_logical_names():
 def test_mesh_fills_minus_one():
   cfg = tiny_config(mesh=dict(data=-1, fsdp=2, tensor=2))
   mesh = parallel.make_mesh(cfg.mesh)
-  assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+@pytest.mark.parametrize("rules", parallel.RULES)
+def test_seq_goes_to_context_and_batch_keeps_the_data_axes(rules):
+  """Flax takes rules in order and skips a mesh axis a dimension already holds: an activation puts `context` on
+  seq, the data axes on batch; an array without seq puts `context` on its batch as well."""
+  with nn.logical_axis_rules(parallel.RULES[rules]):
+    batch, seq, _ = nn.logical_to_mesh_axes(("batch", "seq", "embed"))
+    (alone,) = nn.logical_to_mesh_axes(("batch",))
+  assert seq == "context" and tuple(batch) == parallel.DATA_AXES
+  assert tuple(alone) == (*parallel.DATA_AXES, "context")
