@@ -46,6 +46,7 @@ def final_params(workdir):
   return int(state.step), jax.device_get(state.params)
 
 
+@pytest.mark.slow  # ~20 s of training and saving; keeps the default suite under 10 minutes
 def test_tiers_newest_complete_step_wins_and_the_persistent_tier_survives(tmp_path):
   def cfg(fast):
     return tiny_config(train=dict(steps=6, eval_every=0),

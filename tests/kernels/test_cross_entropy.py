@@ -43,7 +43,7 @@ def _objective(impl, layout, z_loss, token_chunk, vocab_chunk, targets_N, mask_N
     (37, 16, 101, 8, 32, "VD", jnp.bfloat16),
     pytest.param(24, 8, 64, 8, 16, "VD", jnp.float32, marks=pytest.mark.slow),  # both multiples
     pytest.param(5, 16, 50, 64, 512, "DV", jnp.bfloat16, marks=pytest.mark.slow),  # chunks larger than the arrays
-    (19, 24, 7, 3, 2, "VD", jnp.float32),  # tiny chunks
+    pytest.param(19, 24, 7, 3, 2, "VD", jnp.float32, marks=pytest.mark.slow),  # tiny chunks
 ])
 def test_chunked_equals_reference(n, d, v, token_chunk, vocab_chunk, layout, dtype):
   x_ND, w_DV, targets_N, mask_N = _inputs(n, d, v, dtype)

@@ -23,6 +23,7 @@ def packed_batch():
   return tokens_BL, positions_BL, segment_BL
 
 
+@pytest.mark.slow  # ~10 s; blockwise == reference stays in the default set (tests/kernels/test_attention.py)
 def test_blockwise_equals_xla_on_valid_tokens():
   """Logits and the gradient of a loss over valid tokens; block 8 does not divide 20."""
   xla, blockwise = model(attention="xla"), model(attention="blockwise", attention_block=8)

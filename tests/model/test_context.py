@@ -149,6 +149,7 @@ def train_long(workdir, name: str, **train):
   return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # ~25 s idle, 77 s loaded: a CLI-like run of the long config; the equality tests stay default
 def test_long_config_trains_at_a_short_length(tmp_path):
   losses = train_long(tmp_path, "long_16k", steps=3, seq_len=128)
   assert len(losses) == 3 and all(np.isfinite(losses)), losses
@@ -161,5 +162,6 @@ def test_long_16k_trains_20_steps(tmp_path):
   # reached 18 GB resident and were OOM-killed (2026-12-01). It runs once attention is blockwise.
   pytest.importorskip("jaxtrain.kernels.attention.blockwise", reason="16K needs blockwise attention on CPU")
   losses = train_long(tmp_path, "long_16k", steps=20)
+  print("long_16k losses:", [round(x, 4) for x in losses])
   assert len(losses) == 20 and all(np.isfinite(losses)), losses
   assert losses[-1] < losses[0] - 0.5, losses

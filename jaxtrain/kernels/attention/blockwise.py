@@ -47,6 +47,20 @@ def _scores(q_BLGRK, k_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   return scores_BGRLS, mask_BLS[:, None, None]
 
 
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes `x` varies over: `manual_axis_type.varying` in jax 0.10, `vma` before it."""
+  t = jax.typeof(x)
+  kind = getattr(t, "manual_axis_type", None)
+  return frozenset(kind.varying if kind is not None else getattr(t, "vma", ()))
+
+
+def _varying_like(tree, *refs):
+  """Scan carries that vary over the manual mesh axes the inputs vary over: inside a shard_map (context
+  parallelism) a carry must start with the type it ends with (a cast of types, no communication)."""
+  axes = tuple(sorted(set().union(*(_varying_axes(r) for r in refs))))
+  return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
+
+
 def _forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, block):
   """Output [B, L, H, K] in q's dtype and the log-sum-exp of each query's scores [B, G, R, L] (0 if none)."""
   b, l, h, kd = q_BLHK.shape
@@ -69,6 +83,7 @@ def _forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_i
 
   init = (jnp.full((b, g, h // g, l), -jnp.inf, jnp.float32), jnp.zeros((b, g, h // g, l), jnp.float32),
           jnp.zeros((b, l, g, h // g, kd), jnp.float32))
+  init = _varying_like(init, q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   kv = tuple(_blocks(x, block) for x in (k_BSGK, v_BSGK, k_segment_BS, k_index_BS))
   (max_BGRL, sum_BGRL, acc_BLGRK), _ = jax.lax.scan(step, init, kv)
   attended_BGRL = sum_BGRL > 0
@@ -112,7 +127,9 @@ def _attention_bwd(block, residuals, dout_BLHK):
     return dq_BLGRK, (dk_BSGK.astype(k_BSGK.dtype), dv_BSGK.astype(v_BSGK.dtype))
 
   kv = tuple(_blocks(x, block) for x in (k_BSGK, v_BSGK, k_segment_BS, k_index_BS))
-  dq_BLGRK, (dk_NBSGK, dv_NBSGK) = jax.lax.scan(step, jnp.zeros((b, l, g, h // g, kd), jnp.float32), kv)
+  dq_BLGRK = _varying_like(jnp.zeros((b, l, g, h // g, kd), jnp.float32), q_BLHK, k_BSGK, v_BSGK, dout_BLHK,
+                           q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+  dq_BLGRK, (dk_NBSGK, dv_NBSGK) = jax.lax.scan(step, dq_BLGRK, kv)
   dq_BLHK = dq_BLGRK.reshape(b, l, h, kd).astype(q_BLHK.dtype)
   return dq_BLHK, _unblocks(dk_NBSGK), _unblocks(dv_NBSGK), None, None, None, None
 
