@@ -2,19 +2,17 @@
 4K-token chunks, causally balanced; jaxtrain/model/context.py) and the batch over the remaining data shards
 (2 on 8 devices)."""
 
-from jaxtrain.config import default_config
+import os
+
+from jaxtrain.config_files import load_config_file
 
 SEQ_LEN = 32768
 
 
 def get_config(arg=None):
   del arg
-  c = default_config()
-  c.model.update(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384,
-                 max_seq_len=SEQ_LEN, scan_layers=False, remat="full")
-  c.data.update(symbols=200, max_symbols=12, stop_prob=0.001)
-  c.train.update(steps=200, batch_size=2, seq_len=SEQ_LEN, log_every=10, eval_every=100, eval_batches=1)
-  c.optim.update(lr=3e-3, warmup_steps=20, schedule="cosine")
-  c.mesh.update(data=-1, context=4)
-  c.sample.update(prompt="< 17 4 99 120 3 56 8 150 42 77 19 63 |", max_new_tokens=16, temperature=0.0, top_k=0)
+  c = load_config_file(os.path.join(os.path.dirname(__file__), "long_16k.py"))
+  c.model.max_seq_len = c.train.seq_len = SEQ_LEN
+  c.train.batch_size = 2
+  c.mesh.context = 4
   return c

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
-from jaxtrain.kernels.attention import blockwise
+from jaxtrain.kernels.attention import blockwise, reference
 from jaxtrain.model import axes, context
 from jaxtrain.model.layers import param, rope
 
@@ -21,13 +21,6 @@ NEG_INF = -1e30
 # auto on CPU: xla (materialized scores) below this many keys, blockwise from it; the measured crossover lies
 # between 1K and 4K tokens (benchmarks/RESULTS.md, "Attention implementations")
 CPU_BLOCKWISE_FROM = 2048
-
-
-def attention_mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS):
-  """True where query may attend key: same (non-padding) document and key not in the future."""
-  same_doc = (q_segment_BL[:, :, None] == k_segment_BS[:, None, :]) & (k_segment_BS[:, None, :] > 0)
-  causal = k_index_BS[:, None, :] <= q_index_BL[:, :, None]
-  return same_doc & causal
 
 
 def dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS):
@@ -44,7 +37,7 @@ def dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS):
 def xla_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
   """The [B, H, L, S] scores materialized; a query that may attend no key averages all values (unlike the
   reference's zeros), which only padding queries do."""
-  mask_BLS = attention_mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+  mask_BLS = reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   return dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
 
 

@@ -13,6 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels.attention import reference
+
 
 def attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, *, block=512):
   """`reference.attention` computed `block` keys at a time; S need not be a multiple of `block`."""
@@ -42,9 +44,7 @@ def _scores(q_BLGRK, k_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   """One block's scaled float32 scores and its mask, [B, G, R, L, S] and [B, 1, 1, L, S]."""
   scale = 1.0 / jnp.sqrt(jnp.float32(q_BLGRK.shape[-1]))
   scores_BGRLS = jnp.einsum("BLGRK,BSGK->BGRLS", q_BLGRK, k_BSGK, preferred_element_type=jnp.float32) * scale
-  same_doc_BLS = (q_segment_BL[:, :, None] == k_segment_BS[:, None, :]) & (k_segment_BS[:, None, :] > 0)
-  mask_BLS = same_doc_BLS & (k_index_BS[:, None, :] <= q_index_BL[:, :, None])
-  return scores_BGRLS, mask_BLS[:, None, None]
+  return scores_BGRLS, reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)[:, None, None]
 
 
 def _varying_axes(x) -> frozenset:
