@@ -46,6 +46,7 @@ BAD_UTF8 = ("repair", "skip")
 DTYPES = ("float32", "bfloat16")
 COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
+COMM_KERNELS = ("xla", "pallas")  # jaxtrain/optim/compress.py KERNELS
 CROSS_ENTROPY = ("full", "chunked")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
@@ -188,6 +189,7 @@ def default_config() -> ml_collections.ConfigDict:
   cm.format = "f32"  # one of COMM_FORMATS; f32 with error_feedback=none is plain data parallelism
   cm.block = 256  # int8/int4 (and diloco.format): elements per absmax scale; even
   cm.error_feedback = "none"  # one of ERROR_FEEDBACK: none, ef (residual into the next step), ef21
+  cm.kernel = "xla"  # one of COMM_KERNELS: who quantizes (pallas: one fused pass, jaxtrain/kernels/quantize; same bits)
 
   c.diloco = dl = ml_collections.ConfigDict()
   dl.inner_steps = 0  # H: inner steps per replica between syncs over comm.axis; 0 = off (data parallel)
@@ -394,6 +396,7 @@ def _validate_comm(cm, dl, o, m, shape):
   _check_choice("comm.axis", cm.axis, ("replica", "data"))
   _check_choice("comm.format", cm.format, COMM_FORMATS)
   _check_choice("comm.error_feedback", cm.error_feedback, ERROR_FEEDBACK)
+  _check_choice("comm.kernel", cm.kernel, COMM_KERNELS)
   _check_choice("diloco.format", dl.format, COMM_FORMATS)
   if cm.block < 2 or cm.block % 2:
     raise ConfigError(f"comm.block={cm.block} must be a positive even number (int4 packs two values per byte)")

@@ -61,7 +61,11 @@ def build(o, steps: int, comm=None, diloco=None, shards: int = 1,
                           outer_momentum=d.outer_momentum, fmt=d.format, block=comm.block, fragments=d.fragments,
                           delay=d.delay, mix=d.mix, drop_prob=d.drop_prob, seed=seed)
   elif comm is not None and config_lib.compressing(comm):
-    tx = optax.chain(compress.compressed_sum(comm.axis, shards, comm.format, comm.block, comm.error_feedback), tx)
+    if comm.kernel == "pallas" and jax.default_backend() == "cpu":
+      raise config_lib.ConfigError("comm.kernel=pallas runs on GPU and TPU only (jax's Pallas interpreter cannot "
+                                   "run inside the step's shard_map); use comm.kernel=xla on CPU: the same bits")
+    tx = optax.chain(compress.compressed_sum(comm.axis, shards, comm.format, comm.block, comm.error_feedback,
+                                             comm.kernel), tx)
   elif o.reduce_axis:  # before the finiteness check: every shard must take the same decision
     tx = optax.chain(reduce.sum_over(o.reduce_axis), tx)
   return tx, schedule

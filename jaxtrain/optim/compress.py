@@ -15,6 +15,10 @@ Error feedback keeps what quantization dropped and adds it back next step:
         is the running sum of the received differences (Richtarik et al. 2021).
 Per-shard buffers carry a leading axis of one entry per shard of the axis, laid on that axis: each
 lives on its own shard's devices, is checkpointed with the optimizer state, and resumes bitwise.
+
+`kernel` picks who quantizes: "xla" composes optim/quantize.py's encode and decode; "pallas" runs
+jaxtrain/kernels/quantize's one-pass kernel (residual added, block scales, payload and new residual in one
+read of the vector; interpreted on CPU). Both give the same bits.
 """
 
 import math
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain import collectives
+from jaxtrain.kernels.quantize import ops as quantize_ops
 from jaxtrain.model import axes
 from jaxtrain.optim import quantize
 
@@ -88,29 +93,43 @@ def multiple(fmt: str, shards: int, block: int) -> int:
   return shards * (block if quantize.has_block_scales(fmt) else 2)
 
 
-def reduce_flat(x, axis: str, fmt: str, block: int, owner_residual=None):
+KERNELS = quantize_ops.IMPLEMENTATIONS
+
+
+def _quantize(x, fmt: str, block: int, scale, error, kernel: str):
+  """(payload, scales, x + error - what the payload decodes to) of float32 [..., L]; error None = zeros."""
+  if kernel == "pallas":
+    return quantize_ops.quantize_with_feedback(x, error, fmt, block, scale, impl="pallas")
+  if error is not None:
+    x = x + error
+  payload, scales = quantize.encode(x, fmt, block, scale)
+  return payload, scales, x - quantize.decode(payload, scales, fmt, block)
+
+
+def reduce_flat(x, axis: str, fmt: str, block: int, owner_residual=None, kernel: str = "xla"):
   """Sum over the shards of manual mesh `axis` of a flat float32 vector [N] (N a multiple of
-  `multiple(fmt, G, block)`), sent in `fmt`: (sum [N], what this shard's pieces arrived as [N], the
-  owner's requantization residual [N/G]). The sum is the same on every shard (invariant)."""
+  `multiple(fmt, G, block)`), sent in `fmt`: (sum [N], what this shard's pieces arrived as [N], what
+  they lost, x - arrived [N], the owner's requantization residual [N/G]). The sum is the same on every
+  shard (invariant)."""
+  if kernel not in KERNELS:
+    raise ValueError(f"reduce_flat: unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
   shards = collectives.axis_size(axis)
   scale = None
   if fmt == "fp8":  # one scale agreed by every shard first, so all pieces share it
     scale = quantize.fp8_scale(collectives.pmax(jnp.max(jnp.abs(x)), (axis,)))
   pieces = x.reshape(shards, -1)
-  payload, scales = quantize.encode(pieces, fmt, block, scale)
+  payload, scales, lost = _quantize(pieces, fmt, block, scale, None, kernel)
   sent = quantize.decode(payload, scales, fmt, block).reshape(-1)
   received = collectives.all_to_all(payload, axis, 0)
   if quantize.has_block_scales(fmt):
     scales = collectives.all_to_all(scales, axis, 0)
   owned = quantize.decode(received, scales, fmt, block).sum(axis=0)  # float32 sum of this shard's piece
-  if owner_residual is not None:
-    owned = owned + owner_residual
-  payload, scales = quantize.encode(owned, fmt, block, None if scale is None else scale * shards)
-  residual = owned - quantize.decode(payload, scales, fmt, block)
+  payload, scales, residual = _quantize(owned, fmt, block, None if scale is None else scale * shards,
+                                        owner_residual, kernel)
   payload = collectives.all_gather(payload, axis)
   if quantize.has_block_scales(fmt):
     scales = collectives.all_gather(scales, axis)
-  return quantize.decode(payload, scales, fmt, block), sent, residual
+  return quantize.decode(payload, scales, fmt, block), sent, lost.reshape(-1), residual
 
 
 def per_shard(tree, shards: int, axis: str):
@@ -143,13 +162,15 @@ class CompressState(NamedTuple):
 
 
 def compressed_sum(axis: str, shards: int, fmt: str = "int8", block: int = 256,
-                   error_feedback: str = "none") -> optax.GradientTransformation:
+                   error_feedback: str = "none", kernel: str = "xla") -> optax.GradientTransformation:
   """Sums each shard's gradient over manual mesh `axis` (of `shards` entries) in format `fmt`
   (quantize.FORMATS), with error feedback `none`, `ef` or `ef21`. Runs inside a step that is manual
   over `axis` (optim.reduce_axis's seam: train/step.py); it is the first transformation of the chain.
-  Buffers a setting does not use are None (nothing to store)."""
-  if fmt not in quantize.FORMATS or error_feedback not in ("none", "ef", "ef21"):
-    raise ValueError(f"compressed_sum: unknown format {fmt!r} or error feedback {error_feedback!r}")
+  Buffers a setting does not use are None (nothing to store); `kernel` (KERNELS) quantizes.
+  """
+  if fmt not in quantize.FORMATS or error_feedback not in ("none", "ef", "ef21") or kernel not in KERNELS:
+    raise ValueError(f"compressed_sum: unknown format {fmt!r}, error feedback {error_feedback!r} or kernel "
+                     f"{kernel!r}")
   pad = multiple(fmt, shards, block)
   feedback = error_feedback != "none"
 
@@ -169,10 +190,11 @@ def compressed_sum(axis: str, shards: int, fmt: str = "int8", block: int = 256,
       x = x + residual
     elif error_feedback == "ef21":
       x = x - residual
-    total, sent, owner_residual = reduce_flat(x, axis, fmt, block, own(state.owner_residual) if feedback else None)
+    total, sent, lost, owner_residual = reduce_flat(x, axis, fmt, block,
+                                                    own(state.owner_residual) if feedback else None, kernel)
     estimate = state.estimate
     if error_feedback == "ef":
-      residual = x - sent
+      residual = lost
     elif error_feedback == "ef21":
       residual = residual + sent
       estimate = estimate + total
@@ -186,6 +208,6 @@ def compressed_sum(axis: str, shards: int, fmt: str = "int8", block: int = 256,
 
 
 def compressed_mean(axis: str, shards: int, fmt: str = "int8", block: int = 256,
-                    error_feedback: str = "none") -> optax.GradientTransformation:
+                    error_feedback: str = "none", kernel: str = "xla") -> optax.GradientTransformation:
   """compressed_sum divided by the number of shards: the mean of the shards' gradients."""
-  return optax.chain(compressed_sum(axis, shards, fmt, block, error_feedback), optax.scale(1.0 / shards))
+  return optax.chain(compressed_sum(axis, shards, fmt, block, error_feedback, kernel), optax.scale(1.0 / shards))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.kernels.quantize import ops
+from jaxtrain.kernels.quantize import ops, reference
 from jaxtrain.optim import quantize
 
 
@@ -66,3 +66,14 @@ def test_kernel_and_reference_equal_the_composition_bitwise(fmt, shape, block, r
       np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{impl} {name}")
   if fmt != "f32":
     assert np.abs(np.asarray(want[2])).max() > 0  # it did quantize
+
+
+def test_round_half_even_is_jnp_round():
+  """The kernel's rounding (floor and compares: Triton has no round) gives jnp.round's bits, ties included."""
+  ties = np.arange(-20, 20, dtype=np.float32) + 0.5
+  near = np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))
+  rng = np.random.default_rng(0)
+  big = np.float32(2.0 ** 23) + np.arange(-4, 5, dtype=np.float32)
+  x = np.concatenate([ties, *near, rng.normal(0, 100, 4096).astype(np.float32), big, -big, [0.0, -0.0]])
+  x = jnp.asarray(x.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(reference.round_half_even(x)), np.asarray(jnp.round(x)))

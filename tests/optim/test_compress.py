@@ -101,3 +101,25 @@ def test_feedback_buffers_live_on_their_replica(mesh):
   assert len({d for s in residual.addressable_shards for d in [s.device]}) == 8
   # each replica's residual is its own rounding error, not another's
   assert not np.array_equal(np.asarray(residual[0]), np.asarray(residual[1]))
+
+
+@pytest.mark.parametrize("fmt,feedback", [("int4", "ef"), ("int8", "ef"), ("fp8", "ef21"), ("bf16", "none")])
+def test_pallas_kernel_lowers_inside_the_manual_reduction(mesh, fmt, feedback, monkeypatch):
+  """comm.kernel=pallas: the fused quantize kernel inside the step's shard_map (manual over replica, data
+  automatic) states how its outputs vary (check_vma) and lowers for CUDA through Triton on this CPU machine.
+  (Run on CPU it cannot be: jax's Pallas interpreter fails under check_vma, its TPU interpreter under partial
+  automatic sharding, so config.validate refuses it there; the kernel's bits equal the XLA composition in
+  tests/kernels/test_quantize_kernel.py.)"""
+  grads = np.stack([blocks_of_mixed_scale((1, 1024), seed=40 + r)[0] for r in range(R)])
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernel compiled, not interpreted
+  tx = compress.compressed_sum("replica", R, fmt, 256, feedback, "pallas")
+  boxed = tx.init({"w": jnp.zeros(grads.shape[1:])})
+  specs = jax.tree.map(lambda b: P("replica") if isinstance(b, nn.Partitioned) and b.names[0] == "replica" else P(),
+                       boxed, is_leaf=lambda b: isinstance(b, nn.Partitioned))
+  body = lambda g, state: tx.update({"w": g[0]}, state)
+  g = jax.device_put(grads, NamedSharding(mesh, P("replica")))
+  state = jax.tree.map(lambda x, p: jax.device_put(np.asarray(x), NamedSharding(mesh, p)), nn.unbox(boxed), specs)
+  with jax.set_mesh(mesh):
+    fn = jax.jit(collectives.shard_map(body, ("replica",), (P("replica"), specs), (P(), specs)))
+    hlo = fn.trace(g, state).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 2, hlo.count("__gpu$xla.gpu.triton")  # the sender's, the owner's

@@ -1,7 +1,6 @@
 """Wire formats: each round-trips within its bound; int4 packing is lossless; payloads are as narrow
 as claimed."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -9,7 +9,8 @@ import sys
 import jax
 import pytest
 
-from jaxtrain import config_files
+from jaxtrain import config as config_lib, config_files
+from jaxtrain.config import ConfigError
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
 from jaxtrain.train import comm, loop, state as state_lib
@@ -80,3 +81,12 @@ def test_cli_prints_the_table_and_the_projection():
 def test_cli_bad_key_is_one_line_exit_2():
   p = cli("--config.optim.nope=1")
   assert p.returncode == 2 and p.stderr.splitlines() == ["error: --config.optim.nope: unknown config key"]
+
+
+def test_pallas_quantize_kernel_is_refused_on_cpu_in_one_line():
+  cfg = tiny_config(mesh=dict(replica=4, data=2), comm=dict(format="int8", kernel="pallas"), train=dict(batch_size=16))
+  with pytest.raises(ConfigError, match=r"comm.kernel=pallas runs on GPU and TPU only.*comm.kernel=xla on CPU"):
+    loop.build(cfg, "")
+  cfg.comm.kernel = "triton"
+  with pytest.raises(ConfigError, match="comm.kernel"):
+    config_lib.validate(cfg, 8)

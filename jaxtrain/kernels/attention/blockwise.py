@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels import manual
 from jaxtrain.kernels.attention import reference
 
 
@@ -47,17 +48,10 @@ def _scores(q_BLGRK, k_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   return scores_BGRLS, reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)[:, None, None]
 
 
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes `x` varies over: `manual_axis_type.varying` in jax 0.10, `vma` before it."""
-  t = jax.typeof(x)
-  kind = getattr(t, "manual_axis_type", None)
-  return frozenset(kind.varying if kind is not None else getattr(t, "vma", ()))
-
-
 def _varying_like(tree, *refs):
   """Scan carries that vary over the manual mesh axes the inputs vary over: inside a shard_map (context
   parallelism) a carry must start with the type it ends with (a cast of types, no communication)."""
-  axes = tuple(sorted(set().union(*(_varying_axes(r) for r in refs))))
+  axes = tuple(sorted(set().union(*(manual.varying_axes(r) for r in refs))))
   return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
 
 

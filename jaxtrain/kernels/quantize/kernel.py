@@ -4,10 +4,11 @@ quantization block for int8/int4; the arithmetic is reference.encode, op for op,
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
+from jaxtrain.kernels import manual
 from jaxtrain.kernels.quantize import reference
 
 PAYLOAD_DTYPE = {"f32": jnp.float32, "bf16": jnp.uint16, "fp8": jnp.uint8, "int8": jnp.uint8, "int4": jnp.uint8}
@@ -21,14 +22,36 @@ def _kernel(*refs, fmt: str, has_error: bool):
   payload_ref = refs.pop(0)
   scales_ref = refs.pop(0) if fmt in reference.QMAX else None
   new_error_ref = refs.pop(0)
+  if fmt == "int4":
+    return _int4(g_ref, e_ref, payload_ref, scales_ref, new_error_ref)
   x = g_ref[...].astype(jnp.float32)
   if has_error:
     x = x + e_ref[...]
-  payload, scales, decoded = reference.encode(x, fmt, None if scale_ref is None else scale_ref[0, 0])
+  payload, scales, decoded = reference.encode(x, fmt, None if scale_ref is None else scale_ref[0, 0],
+                                             rounding=reference.round_half_even)
   payload_ref[...] = payload
   if scales_ref is not None:
     scales_ref[...] = scales[:, None]
   new_error_ref[...] = x - decoded
+
+
+def _int4(g_ref, e_ref, payload_ref, scales_ref, new_error_ref):
+  """reference.encode's int4, op for op, on the even and the odd columns as two strided loads: Pallas's
+  Triton lowering cannot slice the [rows, C/2, 2] pairs that pack_int4 packs."""
+  half = g_ref.shape[1] // 2
+  cols = (pl.ds(0, half, stride=2), pl.ds(1, half, stride=2))
+  xs = [g_ref[:, c].astype(jnp.float32) for c in cols]
+  if e_ref is not None:
+    xs = [x + e_ref[:, c] for x, c in zip(xs, cols)]
+  qmax = reference.QMAX["int4"]
+  absmax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=-1), jnp.max(jnp.abs(xs[1]), axis=-1))
+  scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
+  qs = [jnp.clip(reference.round_half_even(x / scales[:, None]), -qmax, qmax).astype(jnp.int8) for x in xs]
+  low, high = [(q.astype(jnp.int32) + 8).astype(jnp.uint8) for q in qs]
+  payload_ref[...] = low | (high << 4)
+  scales_ref[...] = scales[:, None]
+  for c, x, q in zip(cols, xs, qs):
+    new_error_ref[:, c] = x - q.astype(jnp.float32) * scales[:, None]
 
 
 def quantize_rows(g_RC, e_RC, fmt: str, scale, rows_per_program: int, interpret: bool):
@@ -45,17 +68,19 @@ def quantize_rows(g_RC, e_RC, fmt: str, scale, rows_per_program: int, interpret:
   if fmt == "fp8":
     args.append(jnp.asarray(scale, jnp.float32).reshape(1, 1))
     in_specs.append(pl.BlockSpec((1, 1), lambda i: (0, 0)))
-  out_shape = [jax.ShapeDtypeStruct((r, pc), PAYLOAD_DTYPE[fmt])]
+  out_shape = [manual.like((r, pc), PAYLOAD_DTYPE[fmt], g_RC)]  # inside shard_map: varies as g
   out_specs = [row_spec(pc)]
   if fmt in reference.QMAX:
-    out_shape.append(jax.ShapeDtypeStruct((r, 1), jnp.float32))
+    out_shape.append(manual.like((r, 1), jnp.float32, g_RC))
     out_specs.append(row_spec(1))
-  out_shape.append(jax.ShapeDtypeStruct((r, c), jnp.float32))
+  out_shape.append(manual.like((r, c), jnp.float32, g_RC))
   out_specs.append(row_spec(c))
   outs = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, has_error=e_RC is not None),
       out_shape=tuple(out_shape), grid=(pl.cdiv(r, br),), in_specs=in_specs, out_specs=tuple(out_specs),
       interpret=interpret, name=f"quantize_{fmt}_with_feedback",
+      # Triton on NVIDIA GPUs (without it jax 0.10 picks Mosaic GPU, which cannot reduce over an axis)
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
   )(*args)
   if fmt in reference.QMAX:
     return outs[0], outs[1][:, 0], outs[2]

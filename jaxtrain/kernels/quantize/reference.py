@@ -18,7 +18,15 @@ def pack_int4(q):
   return nibbles[..., 0] | (nibbles[..., 1] << 4)
 
 
-def encode(x, fmt: str, scale=None):
+def round_half_even(x):
+  """jnp.round (to nearest, ties to even) from floor and compares: Pallas's Triton lowering has no round."""
+  t = jnp.floor(x)
+  d = x - t  # exact for |x| < 2**23; above that x is an integer already and d = 0
+  odd = t - 2.0 * jnp.floor(t * 0.5) == 1.0
+  return jnp.where((d > 0.5) | ((d == 0.5) & odd), t + 1.0, t)
+
+
+def encode(x, fmt: str, scale=None, rounding=jnp.round):
   """float32 [..., C] (int8/int4: each last-axis row one block) -> (payload, scales [...] or None, decoded)."""
   if fmt == "f32":
     return x, None, x
@@ -31,7 +39,7 @@ def encode(x, fmt: str, scale=None):
   qmax = QMAX[fmt]
   absmax = jnp.max(jnp.abs(x), axis=-1)
   scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
-  q = jnp.clip(jnp.round(x / scales[..., None]), -qmax, qmax).astype(jnp.int8)
+  q = jnp.clip(rounding(x / scales[..., None]), -qmax, qmax).astype(jnp.int8)
   decoded = q.astype(jnp.float32) * scales[..., None]
   payload = jax.lax.bitcast_convert_type(q, jnp.uint8) if fmt == "int8" else pack_int4(q)
   return payload, scales, decoded
