@@ -46,7 +46,7 @@ BAD_UTF8 = ("repair", "skip")
 DTYPES = ("float32", "bfloat16")
 COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
-CROSS_ENTROPY = ("full", "chunked")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
+CROSS_ENTROPY = ("full", "chunked", "pallas")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 # context sits next to tensor: it gathers keys and values every layer, so it wants the fast links
