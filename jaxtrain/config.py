@@ -155,7 +155,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.eval_batches = 4
   t.z_loss = 0.0
   # The output projection + loss (jaxtrain/kernels/cross_entropy): "full" materializes the [B, L, V] float32
-  # logits; "chunked" fuses them into the loss tile by tile (O(chunk) memory, same values up to reassociation).
+  # logits; "chunked" fuses them into the loss tile by tile (O(chunk) memory, same values up to reassociation);
+  # "pallas" does so in Pallas kernels (tiles of the op's block_n x block_v, interpreted on CPU).
   t.cross_entropy = "full"  # one of CROSS_ENTROPY
   t.ce_token_chunk = 1024  # chunked: tokens per tile
   t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile

@@ -104,6 +104,7 @@ def test_blocks_must_be_powers_of_two_and_config_knows_pallas():
   x_ND, w_DV, targets_N, mask_N = _inputs(4, 16, 16, jnp.float32)
   with pytest.raises(ValueError, match="power of two"):
     ops.cross_entropy(x_ND, w_DV, targets_N, mask_N, impl="pallas", block_v=48)
+  assert config.CROSS_ENTROPY == ops.IMPLEMENTATIONS
   cfg = tiny_config(train=dict(cross_entropy="pallas"))
   config.validate(cfg, 8)
   cfg.train.cross_entropy = "triton"
