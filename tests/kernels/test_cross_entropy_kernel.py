@@ -39,12 +39,12 @@ def _inputs(n, d, v, dtype, w_dtype=None, seed=0):
 
 
 @functools.cache  # one compile per configuration, shared by the tests that use it
-def _value_and_grads(impl, layout, block_n, block_v):
+def _value_and_grads(impl, layout, block_n, block_v, block_d):
   """jitted (x, w, targets, mask) -> ((ce, z, tokens), (dx, dw)) of ce + z / 2 (distinct cotangents)."""
 
   def f(x_ND, w, targets_N, mask_N):
     ce, z, tokens = ops.cross_entropy(x_ND, w, targets_N, mask_N, 1e-2, w_layout=layout, impl=impl,
-                                      block_n=block_n, block_v=block_v)
+                                      block_n=block_n, block_v=block_v, block_d=block_d)
     return ce + 0.5 * z, (ce, z, tokens)
 
   def sums_and_grads(*args):
@@ -54,18 +54,18 @@ def _value_and_grads(impl, layout, block_n, block_v):
   return _jit(sums_and_grads)
 
 
-@pytest.mark.parametrize("n,d,v,block_n,block_v,layout,dtype,w_dtype", [
-    (37, 24, 101, 16, 32, "DV", jnp.float32, None),  # N, V not multiples of the blocks, D not a power of two
-    (37, 24, 101, 16, 32, "VD", jnp.bfloat16, None),
-    (45, 16, 70, 32, 64, "DV", jnp.bfloat16, jnp.float32),  # float32 weights cast to the bf16 compute dtype
-    pytest.param(37, 24, 101, 16, 32, "VD", jnp.float32, None, marks=pytest.mark.slow),
-    pytest.param(32, 16, 64, 16, 16, "VD", jnp.float32, None, marks=pytest.mark.slow),  # all multiples
+@pytest.mark.parametrize("n,d,v,block_n,block_v,block_d,layout,dtype,w_dtype", [
+    (37, 24, 101, 16, 32, 16, "DV", jnp.float32, None),  # N, V, D not multiples of the blocks; two D blocks
+    (37, 24, 101, 16, 32, 16, "VD", jnp.bfloat16, None),
+    (45, 16, 70, 32, 64, 64, "DV", jnp.bfloat16, jnp.float32),  # float32 weights cast to the bf16 compute dtype
+    pytest.param(37, 24, 101, 16, 32, 16, "VD", jnp.float32, None, marks=pytest.mark.slow),
+    pytest.param(32, 32, 64, 16, 16, 16, "VD", jnp.float32, None, marks=pytest.mark.slow),  # all multiples
 ])
-def test_kernel_equals_reference(n, d, v, block_n, block_v, layout, dtype, w_dtype):
+def test_kernel_equals_reference(n, d, v, block_n, block_v, block_d, layout, dtype, w_dtype):
   x_ND, w_DV, targets_N, mask_N = _inputs(n, d, v, dtype, w_dtype)
   w = w_DV if layout == "DV" else w_DV.T
-  got, got_grads = _value_and_grads("pallas", layout, block_n, block_v)(x_ND, w, targets_N, mask_N)
-  want, want_grads = _value_and_grads("full", layout, block_n, block_v)(x_ND, w, targets_N, mask_N)
+  got, got_grads = _value_and_grads("pallas", layout, block_n, block_v, block_d)(x_ND, w, targets_N, mask_N)
+  want, want_grads = _value_and_grads("full", layout, block_n, block_v, block_d)(x_ND, w, targets_N, mask_N)
   np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5)
   assert float(got[2]) == float(mask_N.sum()) and float(got[1]) > 0
   for name, g, r in zip(("dx", "dw"), got_grads, want_grads):
@@ -79,7 +79,7 @@ def test_masked_tokens_get_no_gradient():
   """A masked token's dx row is exactly zero; with every token masked, so are the sums, dx and dw (padded tokens
   and vocabulary columns add nothing)."""
   x_ND, w_DV, targets_N, mask_N = _inputs(37, 24, 101, jnp.float32, seed=3)
-  f = _value_and_grads("pallas", "DV", 16, 32)  # the first case's compile
+  f = _value_and_grads("pallas", "DV", 16, 32, 16)  # the first case's compile
   _, (dx_ND, _) = f(x_ND, w_DV, targets_N, mask_N)
   masked = np.asarray(mask_N) == 0
   assert masked.any() and float(np.abs(np.asarray(dx_ND)[masked]).max()) == 0.0
@@ -115,7 +115,7 @@ def test_blocks_must_be_powers_of_two_and_config_knows_pallas():
 @pytest.mark.parametrize("layout", ["DV", "VD"])
 def test_lowers_to_triton_for_gpu(layout):
   # No GPU here: lowering for CUDA still runs Pallas's Triton lowering of all three kernels (forward, dx, dw),
-  # at gpt2_small's width (768, padded to 1024) with N and V not multiples of the blocks.
+  # at gpt2_small's width (768 = 12 blocks of 64) with N and V not multiples of the blocks.
   n, d, v = 300, 768, 1000
   x = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((d, v) if layout == "DV" else (v, d), jnp.bfloat16)
