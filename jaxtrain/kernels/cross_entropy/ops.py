@@ -6,7 +6,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jax.experimental import pallas as pl
 
 from jaxtrain.kernels.cross_entropy import chunked, kernel, reference
