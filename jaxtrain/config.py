@@ -47,7 +47,7 @@ DTYPES = ("float32", "bfloat16")
 COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
 COMM_KERNELS = ("xla", "pallas")  # jaxtrain/optim/compress.py KERNELS
-CROSS_ENTROPY = ("full", "chunked")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
+CROSS_ENTROPY = ("full", "chunked", "pallas")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 # context sits next to tensor: it gathers keys and values every layer, so it wants the fast links
@@ -156,7 +156,8 @@ def default_config() -> ml_collections.ConfigDict:
   t.eval_batches = 4
   t.z_loss = 0.0
   # The output projection + loss (jaxtrain/kernels/cross_entropy): "full" materializes the [B, L, V] float32
-  # logits; "chunked" fuses them into the loss tile by tile (O(chunk) memory, same values up to reassociation).
+  # logits; "chunked" fuses them into the loss tile by tile (O(chunk) memory, same values up to reassociation);
+  # "pallas" does so in Pallas kernels (tiles of the op's block_n x block_v, interpreted on CPU).
   t.cross_entropy = "full"  # one of CROSS_ENTROPY
   t.ce_token_chunk = 1024  # chunked: tokens per tile
   t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile
