@@ -11,6 +11,7 @@ policy (no copy), and the batch follows the data axes: rows must divide over the
 Shapes: _BP prompts, _BN generated tokens, _BL prompt and response together (L = P + N).
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -85,6 +86,8 @@ def rollout(model, params, prompts_BP, prompt_lens_B, rng, max_new_tokens: int, 
   Rows keep sampling after their stop token; `finish` masks what follows it."""
   b, p = prompts_BP.shape
   check_lengths(model, p, max_new_tokens)
+  # a cache of the P + N slots this rollout fills, not max_seq_len: each step attends over fewer keys
+  model = model.clone(cfg=dataclasses.replace(model.cfg, max_seq_len=p + max_new_tokens))
   pad_B = p - prompt_lens_B.astype(jnp.int32)
   logits_BPV, cache = decode_logits(model, params, init_cache(model, b), prompts_BP, 0, extra, pad_B)
   first = sample(logits_BPV[:, -1], jax.random.fold_in(rng, 0), temperature, top_k, top_p)
