@@ -77,6 +77,11 @@ def test_greedy_rollout_equals_full_forward_greedy(setup, greedy):
   np.testing.assert_array_equal(out.tokens_BN, greedy)
   assert np.all(out.mask_BN == 1) and np.all(out.lengths_B == N)
   np.testing.assert_array_equal(run(setup, rollout_lib.naive_rollout, temperature=0.0).tokens_BN, greedy)
+  # pad slots are masked out of attention: whatever tokens they hold, nothing changes
+  model, params, prompts, _ = setup
+  junk = np.where(prompts == 0, np.random.default_rng(9).integers(1, model.cfg.vocab_size, prompts.shape), prompts)
+  again = jitted(rollout_lib.rollout)(model, params, junk, jnp.asarray(LENS), jax.random.key(1), N, temperature=0.0)
+  np.testing.assert_array_equal(again.tokens_BN, greedy)
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6)])
