@@ -6,8 +6,8 @@ Shapes: _BT [batch, response tokens], _BTV with the vocabulary, _B one per seque
 Losses follow the loop's convention (train/task.py, train/step.py): they return `(objective, sums)` where the
 objective is SUMMED over units and `sums` holds metric sums over the same units and "count", the number of
 units; the step divides gradients and metrics by the count. `aggregate` picks the unit:
-  "token":    a unit is a response token: sum over all tokens / all tokens of the batch (DAPO, Yu et al., 2025;
-              also Dr. GRPO), so long responses weigh by their length;
+  "token":    a unit is a response token: sum over all tokens / all tokens of the batch (DAPO, Yu et al.,
+              2025), so long responses weigh by their length;
   "sequence": a unit is a sequence: each sequence's token mean, summed, / sequences (GRPO as in
               DeepSeekMath, Shao et al., 2024).
 """
