@@ -154,27 +154,34 @@ class Attention(nn.Module):
     v_BLGK = constrain(v_BLGK, (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
 
     if self.decode:
-      k_BSGK, v_BSGK, q_index_BL, k_index_BS = self._update_cache(k_BLGK, v_BLGK)
-      out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, None, None, q_index_BL, k_index_BS, c, decode=True)
+      if segment_ids_BL is None:
+        segment_ids_BL = jnp.ones(x_BLD.shape[:2], jnp.int32)
+      k_BSGK, v_BSGK, k_segment_BS, q_index_BL, k_index_BS = self._update_cache(k_BLGK, v_BLGK, segment_ids_BL)
+      out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, k_segment_BS, q_index_BL, k_index_BS, c,
+                        decode=True)
     else:
       out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL, c)
     out_BLHK = constrain(out_BLHK, (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
     return jnp.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd))
 
-  def _update_cache(self, k_BLGK, v_BLGK):
-    """Writes the new keys/values at the cache index; returns the cache and the query and key indices.
+  def _update_cache(self, k_BLGK, v_BLGK, segment_ids_BL):
+    """Writes the new keys/values and segment ids at the cache index; returns the cache (keys, values,
+    segment ids) and the query and key indices.
 
-    Decoding holds one document per row, whose positions count from the cache index: the indices mask
-    unwritten and future slots."""
+    Decoding holds one document per row, whose slots count from the cache index: the indices mask future
+    slots, segment id 0 masks unwritten slots and padding (a left-padded prompt's leading pad tokens)."""
     b, l, g, kd = k_BLGK.shape
     s = self.cfg.max_seq_len
     cached_k = self.variable("cache", "k", jnp.zeros, (b, s, g, kd), k_BLGK.dtype)
     cached_v = self.variable("cache", "v", jnp.zeros, (b, s, g, kd), v_BLGK.dtype)
+    cached_segment = self.variable("cache", "segment", jnp.zeros, (b, s), jnp.int32)
     index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
     i = index.value
     cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (0, i, 0, 0))
     cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v_BLGK, (0, i, 0, 0))
+    cached_segment.value = jax.lax.dynamic_update_slice(cached_segment.value, segment_ids_BL.astype(jnp.int32),
+                                                        (0, i))
     index.value = i + l
     q_index_BL = jnp.broadcast_to(i + jnp.arange(l), (b, l))
     k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
-    return cached_k.value, cached_v.value, q_index_BL, k_index_BS
+    return cached_k.value, cached_v.value, cached_segment.value, q_index_BL, k_index_BS

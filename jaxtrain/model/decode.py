@@ -14,13 +14,19 @@ def init_cache(model: Transformer, batch_size: int):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def decode_logits(model: Transformer, params, cache, tokens_BL, start, extra=None):
-  """Logits of `tokens_BL` placed at positions start.., attending to the cache; returns new cache.
-  `extra`: the model's non-trainable collections (e.g. MoE expert biases), if it has any."""
+def decode_logits(model: Transformer, params, cache, tokens_BL, start, extra=None, pad_B=None):
+  """Logits of `tokens_BL` placed at cache slots start.., attending to the cache; returns new cache.
+  `extra`: the model's non-trainable collections (e.g. MoE expert biases), if it has any.
+  `pad_B`: left padding, the number of pad slots at the start of each row (None: none): slots before it are
+  masked out of attention and each row's positions count from its first real token."""
   decoder = model.clone(decode=True)
-  positions_BL = start + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+  slots_BL = start + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+  positions_BL, segment_ids_BL = slots_BL, None
+  if pad_B is not None:
+    positions_BL = jnp.maximum(slots_BL - pad_B[:, None], 0)
+    segment_ids_BL = (slots_BL >= pad_B[:, None]).astype(jnp.int32)
   logits_BLV, updated = decoder.apply({"params": params, "cache": cache, **(extra or {})}, tokens_BL, positions_BL,
-                                      mutable=["cache"])
+                                      segment_ids_BL, mutable=["cache"])
   return logits_BLV, updated["cache"]
 
 
