@@ -10,7 +10,6 @@ markdown section for benchmarks/RESULTS.md.
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 
@@ -21,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jaxtrain  # noqa: E402
+from benchmarks.train_step import machine_lines  # noqa: E402
 from jaxtrain import config_files, metrics  # noqa: E402
 
 
@@ -48,8 +48,7 @@ def main():
   diff = np.abs(on["loss"] - off["loss"])
   late = slice(2, None)  # step times after compilation and warm-up
   ratio = np.median(on["time"][late]) / np.median(off["time"][late])
-  print(f"- hardware: {platform.processor() or 'unknown'}, {os.cpu_count()} cores, backend "
-        f"{jax.default_backend()}, 1 device; jax {jax.__version__}, python {platform.python_version()}")
+  print("\n".join(machine_lines()) + ", 1 device")
   print(f"- command: `python benchmarks/fp8_loss.py --steps {args.steps} --batch_size {args.batch_size} "
         f"--seq_len {args.seq_len}`")
   print(f"- small_20m, compute_dtype bfloat16, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
