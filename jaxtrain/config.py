@@ -50,6 +50,7 @@ COMM_KERNELS = ("xla", "pallas")  # jaxtrain/optim/compress.py KERNELS
 CROSS_ENTROPY = ("full", "chunked", "pallas")  # jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
 ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
+FP8 = ("off", "current")  # jaxtrain/model/fp8.py MODES
 # context sits next to tensor: it gathers keys and values every layer, so it wants the fast links
 MESH_AXES = ("replica", "data", "fsdp", "expert", "context", "tensor")
 
@@ -109,6 +110,9 @@ class ModelConfig:
   # Attention implementation (jaxtrain/model/attention.py)
   attention: str = "auto"  # one of ATTENTION; auto: splash on TPU, cudnn on GPU (pallas if packed), CPU by length
   attention_block: int = 512  # blockwise: keys/values (and queries) per block
+  # FP8 dense and expert matmuls (jaxtrain/model/fp8.py): one of FP8; "current" = e4m3 forward, e5m2
+  # gradients, per-tensor scales from each tensor's own amax. Router, embedding, head, attention core stay.
+  fp8: str = "off"
 
   @property
   def expert_d_ff(self) -> int:
@@ -285,6 +289,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("train.cross_entropy", t.cross_entropy, CROSS_ENTROPY)
   _check_choice("model.fused_norm", m.fused_norm, FUSED_NORM)
   _check_choice("model.attention", m.attention, ATTENTION)
+  _check_choice("model.fp8", m.fp8, FP8)
   shape = mesh_shape(cfg.mesh, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len", "attention_block"):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.kernels.attention import blockwise, reference
-from jaxtrain.model import axes, context
+from jaxtrain.model import axes, context, fp8
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
@@ -146,9 +146,9 @@ class Attention(nn.Module):
     w_o = param(self, "o", (c.n_heads, c.head_dim, c.d_model), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pd, out_std)
 
     x_BLD = x_BLD.astype(cd)
-    q_BLHK = jnp.einsum("BLD,DHK->BLHK", x_BLD, w_q.astype(cd))
-    k_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w_k.astype(cd))
-    v_BLGK = jnp.einsum("BLD,DGK->BLGK", x_BLD, w_v.astype(cd))
+    q_BLHK = fp8.einsum("BLD,DHK->BLHK", x_BLD, w_q.astype(cd), c.fp8)
+    k_BLGK = fp8.einsum("BLD,DGK->BLGK", x_BLD, w_k.astype(cd), c.fp8)
+    v_BLGK = fp8.einsum("BLD,DGK->BLGK", x_BLD, w_v.astype(cd), c.fp8)
     q_BLHK = constrain(rope(q_BLHK, positions_BL, c), (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
     k_BLGK = constrain(rope(k_BLGK, positions_BL, c), (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
     v_BLGK = constrain(v_BLGK, (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
@@ -162,7 +162,7 @@ class Attention(nn.Module):
     else:
       out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL, c)
     out_BLHK = constrain(out_BLHK, (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
-    return jnp.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd))
+    return fp8.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd), c.fp8)
 
   def _update_cache(self, k_BLGK, v_BLGK, segment_ids_BL):
     """Writes the new keys/values and segment ids at the cache index; returns the cache (keys, values,

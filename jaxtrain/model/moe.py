@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import collectives
-from jaxtrain.model import axes
+from jaxtrain.model import axes, fp8
 from jaxtrain.model.layers import param
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe_layout import capacity_slots, combine, sort_by_expert, take, tile_layout, tile_size
@@ -95,21 +95,22 @@ def _finish_stats(sums, cfg):
               entropy=sums["entropy"] / tokens)
 
 
-def _grouped_swiglu(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """SwiGLU of each row with its expert's weights; rows are sorted by expert (jax.lax.ragged_dot)."""
-  h_MF = (jax.nn.silu(jax.lax.ragged_dot(x_MD, w_gate_EDF, sizes_E))
-          * jax.lax.ragged_dot(x_MD, w_up_EDF, sizes_E))
-  return jax.lax.ragged_dot(h_MF, w_down_EFD, sizes_E)
+def _grouped_swiglu(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, mode="off"):
+  """SwiGLU of each row with its expert's weights; rows are sorted by expert (jax.lax.ragged_dot).
+  `mode`: model.fp8 (fp8.ragged_dot)."""
+  h_MF = (jax.nn.silu(fp8.ragged_dot(x_MD, w_gate_EDF, sizes_E, mode))
+          * fp8.ragged_dot(x_MD, w_up_EDF, sizes_E, mode))
+  return fp8.ragged_dot(h_MF, w_down_EFD, sizes_E, mode)
 
 
-def _expert_swiglu(x_EMD, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """SwiGLU of every expert's M buffer rows: dense batched matmuls."""
-  h_EMF = (jax.nn.silu(jnp.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF))
-           * jnp.einsum("EMD,EDF->EMF", x_EMD, w_up_EDF))
-  return jnp.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD)
+def _expert_swiglu(x_EMD, w_gate_EDF, w_up_EDF, w_down_EFD, mode="off"):
+  """SwiGLU of every expert's M buffer rows: dense batched matmuls (`mode`: model.fp8, fp8.einsum)."""
+  h_EMF = (jax.nn.silu(fp8.einsum("EMD,EDF->EMF", x_EMD, w_gate_EDF, mode))
+           * fp8.einsum("EMD,EDF->EMF", x_EMD, w_up_EDF, mode))
+  return fp8.einsum("EMF,EFD->EMD", h_EMF, w_down_EFD, mode)
 
 
-def _dropless(x_ND, experts_Nk, gates_Nk, weights, n_experts, max_rows, grouped_matmul):
+def _dropless(x_ND, experts_Nk, gates_Nk, weights, n_experts, max_rows, grouped_matmul, mode="off"):
   """Sum over k of gate * expert(x) for each token; ids >= n_experts contribute nothing.
 
   Assignments (a = token * k + j) are sorted by expert (MegaBlocks); `max_rows` bounds the real ones.
@@ -117,6 +118,7 @@ def _dropless(x_ND, experts_Nk, gates_Nk, weights, n_experts, max_rows, grouped_
   matmul over tiles with each tile's expert weights gathered (MegaBlocks' block-sparse form, in
   plain XLA); "ragged_dot": the first max_rows sorted rows through jax.lax.ragged_dot (native on
   TPU; XLA:CPU runs it as a dense matmul over every group). Gathers both ways go through `take`.
+  `mode`: model.fp8 for the expert matmuls.
   """
   n, d = x_ND.shape
   k = experts_Nk.shape[1]
@@ -127,14 +129,14 @@ def _dropless(x_ND, experts_Nk, gates_Nk, weights, n_experts, max_rows, grouped_
     t = tile_layout(experts_A, n_experts, max_rows, tile_size(max_rows, n_experts))
     x_PD = take(x_ND, (t.source_P // k)[:, None], t.filled_P[:, None], per_token(t.row_A), per_token(real_A))
     weights_T = tuple(jnp.take(w, t.expert_T, axis=0) for w in weights)
-    out_PD = _expert_swiglu(x_PD.reshape(-1, t.tile, d), *weights_T).reshape(-1, d)
+    out_PD = _expert_swiglu(x_PD.reshape(-1, t.tile, d), *weights_T, mode=mode).reshape(-1, d)
     return combine(out_PD, gates_Nk, per_token(t.row_A), per_token(real_A), t.source_P, t.filled_P)
   if grouped_matmul == "ragged_dot":
     order_A, inverse_A, sizes_E, _ = (t[0] for t in sort_by_expert(experts_A[None], n_experts))
     filled_M = jnp.arange(max_rows) < jnp.sum(sizes_E)  # rows past the groups are undefined in ragged_dot
     order_M = order_A[:max_rows]
     x_MD = take(x_ND, (order_M // k)[:, None], filled_M[:, None], per_token(inverse_A), per_token(real_A))
-    out_MD = _grouped_swiglu(x_MD, sizes_E, *weights)
+    out_MD = _grouped_swiglu(x_MD, sizes_E, *weights, mode=mode)
     return combine(out_MD, gates_Nk, per_token(inverse_A), per_token(real_A), order_M, filled_M)
   raise ValueError(f"unknown grouped_matmul {grouped_matmul!r}")
 
@@ -156,7 +158,7 @@ def _capacity(x_RLD, experts_RLk, gates_RLk, valid_RL, weights, cfg, exchange):
   n_shards = x_XEMD.shape[0]
   # one [E, M, D] batched matmul: XLA:CPU ran the same einsum over [X, E, R, C, D] slower (benchmarks/RESULTS.md)
   x_EMD = jnp.swapaxes(x_XEMD, 0, 1).reshape(local, n_shards * r * s.capacity, d)
-  out_EMD = _expert_swiglu(x_EMD, *weights)
+  out_EMD = _expert_swiglu(x_EMD, *weights, mode=cfg.fp8)
   out_XEMD = jnp.swapaxes(out_EMD.reshape(local, n_shards, r * s.capacity, d), 0, 1)
   out_QD = exchange(out_XEMD, 0).reshape(-1, d)
   gates_Nk = per_token(jnp.swapaxes(gates_RLk, 1, 2).reshape(r, a))
@@ -178,7 +180,7 @@ def _dispatch_dropless(x_ND, experts_Nk, gates_Nk, weights, cfg, exchange, n_sha
   how = cfg.grouped_matmul
   if how == "auto":  # tiles off TPU: faster on CPU and on an H200, see benchmarks/RESULTS.md
     how = "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
-  y_MD = _dropless(flat(x_XND), flat(ids_XNk), flat(gates_XNk), weights, local, max_rows, how)
+  y_MD = _dropless(flat(x_XND), flat(ids_XNk), flat(gates_XNk), weights, local, max_rows, how, cfg.fp8)
   y_XND = exchange(y_MD.astype(x_ND.dtype).reshape(n_shards, n, d), 0)
   return jnp.sum(y_XND.astype(jnp.float32), axis=0)
 
