@@ -114,16 +114,17 @@ class Encoder:
 
   def _hf_chat(self, messages, turns):
     """Pieces from renders of growing prefixes: a turn's completion is what rendering it adds after the
-    generation prompt (its template must render a prefix of the conversation as a prefix of the text)."""
-    render = lambda ms, gen: self.template.render(messages=ms, add_generation_prompt=gen, bos_token="",
-                                                  eos_token="")
+    generation prompt (its template must render a prefix of the conversation as a prefix of the text).
+    Special tokens in the rendered text are encoded as their ids; BOS/EOS come from the template."""
+    names = {"bos_token": self.special.id_to_token(self.tok.bos), "eos_token": self.special.id_to_token(self.tok.eos)}
+    render = lambda ms, gen: self.template.render(messages=ms, add_generation_prompt=gen, **names)
     out, done = [], ""
     for i in turns:
       before, full = render(messages[:i], True), render(messages[:i + 1], False)
       if not (before.startswith(done) and full.startswith(before)):
         raise Skip("template")
       out.append((self._special(before[len(done):]), 0))
-      out.append((self._special(full[len(before):]) + [self.tok.eos], 1))
+      out.append((self._special(full[len(before):]), 1))  # the template ends the turn (its own end token)
       done = full
     return out
 
@@ -178,6 +179,8 @@ def encode_rows(rows, encoder: Encoder, p, pairs: bool):
         counts["truncated"] += any(t for _, _, t in two)
       else:
         if p.messages_field in row:  # a whole conversation: every assistant turn is a completion
+          if not isinstance(row[p.messages_field], list):
+            raise Skip("missing_field")
           ids, mask, cut = encoder.example([], row[p.messages_field])
         elif p.prompt_field in row and p.completion_field in row:
           ids, mask, cut = encoder.example(row[p.prompt_field], row[p.completion_field])
