@@ -71,7 +71,10 @@ class Encoder:
         import jinja2
       except ImportError as e:
         raise config_lib.ConfigError(f"{tokenizer.path}: its chat template needs jinja2 (pip install jinja2)") from e
-      self.template = jinja2.Environment(keep_trailing_newline=True).from_string(found[0])
+      try:
+        self.template = jinja2.Environment(keep_trailing_newline=True).from_string(found[0])
+      except jinja2.TemplateError as e:
+        raise config_lib.ConfigError(f"{tokenizer.path}: its chat template does not parse: {e}") from e
       self.special = found[1]
 
   def _encode(self, text: str) -> list[int]:
@@ -117,7 +120,11 @@ class Encoder:
     generation prompt (its template must render a prefix of the conversation as a prefix of the text).
     Special tokens in the rendered text are encoded as their ids; BOS/EOS come from the template."""
     names = {"bos_token": self.special.id_to_token(self.tok.bos), "eos_token": self.special.id_to_token(self.tok.eos)}
-    render = lambda ms, gen: self.template.render(messages=ms, add_generation_prompt=gen, **names)
+    def render(ms, gen):
+      try:
+        return self.template.render(messages=ms, add_generation_prompt=gen, **names)
+      except Exception as e:  # the template's own raise_exception(), or anything it trips on
+        raise Skip("template") from e
     out, done = [], ""
     for i in turns:
       before, full = render(messages[:i], True), render(messages[:i + 1], False)
@@ -345,6 +352,9 @@ class Data:
     t = cfg.train
     self.cfg, self.pairs, self.seq_len = cfg, pairs, t.seq_len
     self.tokenizer = make_tokenizer(cfg, workdir)
+    if getattr(self.tokenizer, "vocab_size", 0) > cfg.model.vocab_size:
+      raise config_lib.ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} ids, more than model.vocab_size="
+                                   f"{cfg.model.vocab_size}")
     encoder = Encoder(self.tokenizer, t.seq_len if pairs else t.seq_len + 1)
     split = split_rows(cfg, workdir, pairs)
     self.examples, self.counts = {}, {}

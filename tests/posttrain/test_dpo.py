@@ -11,6 +11,7 @@ from jaxtrain import checkpoint, metrics
 from jaxtrain.posttrain import Dpo, preference
 from jaxtrain.train import loop
 from tests.fixtures import tiny_config
+from tests.posttrain.test_sft import run_config
 
 
 def dpo_config(**posttrain):
@@ -93,3 +94,9 @@ def test_reference_is_init_from_sharded_like_the_policy_and_frozen(tmp_path):
     np.testing.assert_array_equal(np.asarray(ref), want)  # frozen at the init_from params
   assert tuple(reference["layers"]["mlp"]["up"].sharding.spec)[:2] == (None, "fsdp")  # split, not replicated
   assert not np.array_equal(np.asarray(state.params["embed"]), start["embed"])  # the policy moved
+
+
+def test_dpo_tiny_config_trains(tmp_path):
+  final, rows = run_config("dpo_tiny", str(tmp_path))
+  assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(2)) < 1e-6 and rows[0]["kl"] == 0.0  # policy == reference
+  assert {"reward_margin", "accuracy", "kl", "eval_reward_margin"} <= set(final)

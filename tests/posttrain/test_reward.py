@@ -9,6 +9,7 @@ import numpy as np
 import jaxtrain
 from jaxtrain.posttrain import data, reward
 from tests.fixtures import tiny_config
+from tests.posttrain.test_sft import run_config
 
 MARKER = 39
 
@@ -50,3 +51,9 @@ def test_reward_model_separates_marked_answers_and_loads_as_a_reward(tmp_path):
                                   b["segment_ids"])).reshape(16, 2)
   np.testing.assert_allclose(want[:, 0], chosen[:16], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(want[:, 1], rejected[:16], rtol=1e-5, atol=1e-5)
+
+
+def test_rm_tiny_config_trains(tmp_path):
+  final, rows = run_config("rm_tiny", str(tmp_path))
+  assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(2)) < 0.2 and {"eval_accuracy", "margin"} <= set(final)
+  assert reward.load_reward_model(str(tmp_path)).texts(["< 1 2 |"], ["2 1 >"]).shape == (1,)

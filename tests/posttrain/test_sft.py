@@ -8,10 +8,10 @@ import jax
 import numpy as np
 
 import jaxtrain
-from jaxtrain import checkpoint, metrics
-from jaxtrain.posttrain import Sft
+from jaxtrain import checkpoint, config_files, metrics
+from jaxtrain.posttrain import Sft, data
 from jaxtrain.train import loop
-from tests.fixtures import tiny_config
+from tests.fixtures import ROOT, tiny_config
 
 
 def sft_config(**train):
@@ -77,3 +77,41 @@ def test_sft_trains_evaluates_and_resumes_bitwise(tmp_path):
   assert [r["loss"] for r in again] == [r["loss"] for r in rows[6:]]
   a, b = final_params(cfg, straight), final_params(cfg, resumed)
   assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def run_config(name: str, workdir: str, steps: int = 3) -> tuple[dict, list]:
+  """configs/NAME.py for a few steps on its own synthetic data (as `python -m jaxtrain train` runs it)."""
+  cfg = config_files.apply_overrides(config_files.load_config_file(os.path.join(ROOT, "configs", f"{name}.py")), {
+      "train.steps": str(steps), "train.log_every": "1", "train.eval_every": str(steps), "train.eval_batches": "1",
+      "optim.warmup_steps": "1", "posttrain.synthetic_examples": "100"})
+  final = jaxtrain.train(cfg, workdir, progress=False, sync_every_step=True)
+  return final, [r for r in metrics.read_metrics(workdir) if "loss" in r]
+
+
+def test_sft_tiny_config_trains(tmp_path):
+  final, rows = run_config("sft_tiny", str(tmp_path))
+  assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(64)) < 0.1 and rows[-1]["loss"] < rows[0]["loss"]
+  assert final["train_examples"] == 90 and "eval_accuracy" in final
+  assert os.path.isfile(os.path.join(str(tmp_path), data.SYNTHETIC_DIR, "sft.jsonl"))
+
+
+def test_train_task_picks_the_task_and_bad_values_are_one_line(tmp_path):
+  from jaxtrain.config import ConfigError, validate
+  from jaxtrain.posttrain import Dpo, RewardModel
+  from jaxtrain.train.lm import LanguageModel
+  kinds = {"lm": LanguageModel, "sft": Sft, "rm": RewardModel, "dpo": Dpo}
+  for name, kind in kinds.items():
+    assert type(loop.make_task(tiny_config(train=dict(task=name)), str(tmp_path))) is kind
+  for key, value, match in (("train.task", "sftt", "train.task: unknown value"),
+                            ("posttrain.loss", "kto", "posttrain.loss: unknown value"),
+                            ("posttrain.beta", 0.0, "posttrain.beta must be in"),
+                            ("posttrain.label_smoothing", 0.7, "posttrain.label_smoothing must be in"),
+                            ("posttrain.prompt_field", "", "posttrain.prompt_field must name")):
+    cfg = tiny_config(train=dict(task="dpo"))
+    section, field = key.split(".")
+    cfg[section][field] = value
+    try:
+      validate(cfg, 8)
+      raise AssertionError(f"{key}={value!r} was accepted")
+    except ConfigError as e:
+      assert match in str(e) and "\n" not in str(e)
