@@ -5,6 +5,7 @@ trains; SimPO keeps no reference."""
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 
 import jaxtrain
 from jaxtrain import checkpoint, metrics
@@ -73,6 +74,7 @@ def restore(cfg, workdir):
   return state
 
 
+@pytest.mark.slow  # two runs; keeps the default suite under 10 minutes
 def test_reference_is_init_from_sharded_like_the_policy_and_frozen(tmp_path):
   sft = tiny_config(data=dict(symbols=40), train=dict(task="sft", seq_len=16, batch_size=8, steps=2),
                     posttrain=dict(synthetic_examples=100))

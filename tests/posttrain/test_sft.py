@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 
 import jaxtrain
 from jaxtrain import checkpoint, config_files, metrics
@@ -57,6 +58,7 @@ def final_params(cfg, workdir):
   return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
+@pytest.mark.slow  # two runs; keeps the default suite under 10 minutes
 def test_sft_trains_evaluates_and_resumes_bitwise(tmp_path):
   cfg = sft_config(steps=12, eval_every=6, eval_batches=2)
   cfg.checkpoint.every_steps = 6
