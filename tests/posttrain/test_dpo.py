@@ -33,7 +33,13 @@ def logps_np(model, params, batch):
     for t in range(two):
       out[i, t] = sum(logp[i, t, k - 1, batch["tokens"][i, t, k]] for k in range(1, length)
                       if batch["completion_mask"][i, t, k])
-  return out
+  return out, logp
+
+
+def kl_np(logp, logr, batch):
+  """Summed over each sequence's completion positions: sum_v p(v) (log p(v) - log r(v))."""
+  kl = (np.exp(logp) * (logp - logr)).sum(-1)  # [B, 2, L-1]
+  return (kl * batch["completion_mask"][:, :, 1:]).sum(-1)
 
 
 def unboxed(tree):
@@ -50,20 +56,22 @@ def test_dpo_ipo_simpo_losses_on_the_models_log_probs(tmp_path):
     state = {"reference": reference} if state else {}
     batch = next(task.batches("train", 0, 8))
     value, sums = jax.jit(task.loss)(params, batch, {}, state)
-    pi = logps_np(task.model, params, batch)
+    pi, logp = logps_np(task.model, params, batch)
     if loss == "simpo":
       lengths = batch["completion_mask"][:, :, 1:].sum(-1)
       want = preference.simpo(pi[:, 0], pi[:, 1], lengths[:, 0], lengths[:, 1], 0.5, cfg.posttrain.simpo_gamma)
-      ref = np.zeros_like(pi)
+      ref, kl = np.zeros_like(pi), np.zeros_like(pi)
     else:
-      ref = logps_np(task.model, reference, batch)
+      ref, logr = logps_np(task.model, reference, batch)
+      kl = kl_np(logp, logr, batch)
+      assert (kl > 0).all()
       want = (preference.dpo(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], 0.5, 0.1) if loss == "dpo" else
               preference.ipo(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], 0.5))
     np.testing.assert_allclose(float(value), float(np.sum(want)), rtol=2e-5)
     margin = 0.5 * ((pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1]))
     np.testing.assert_allclose(float(sums["reward_margin"]), margin.sum(), rtol=2e-4, atol=1e-5)
     assert float(sums["accuracy"]) == (margin > 0).sum() and float(sums["count"]) == 8
-    np.testing.assert_allclose(float(sums["kl"]), (pi - ref).mean(-1).sum(), rtol=2e-4, atol=1e-5)
+    np.testing.assert_allclose(float(sums["kl"]), kl.mean(-1).sum(), rtol=2e-4, atol=1e-5)
 
 
 def restore(cfg, workdir):
