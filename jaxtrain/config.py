@@ -53,6 +53,10 @@ ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 FP8 = ("off", "current")  # jaxtrain/model/fp8.py MODES
 # context sits next to tensor: it gathers keys and values every layer, so it wants the fast links
 MESH_AXES = ("replica", "data", "fsdp", "expert", "context", "tensor")
+# What a run trains (train.task): "lm" pre-training (jaxtrain/train/lm.py); the post-training tasks live in
+# jaxtrain/posttrain (their TASKS dict); "ppo" and "grpo" are reserved for the RL tasks.
+TASKS = ("lm", "sft", "rm", "dpo")
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")  # jaxtrain/posttrain/preference.py
 
 
 class ConfigError(ValueError):
@@ -166,6 +170,26 @@ def default_config() -> ml_collections.ConfigDict:
   t.ce_token_chunk = 1024  # chunked: tokens per tile
   t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile
   t.peer_timeout_s = 60.0  # multi-process: a peer silent this long is lost; the others end with status 6
+  t.task = "lm"  # one of TASKS: lm (pre-training), sft, rm (reward model), dpo (jaxtrain/posttrain)
+
+  # Post-training tasks (train.task sft, rm, dpo; jaxtrain/posttrain). Data: JSONL rows of prompt/completion,
+  # chat `messages` [{role, content}], or preference pairs prompt/chosen/rejected (chat lists allowed for the
+  # completions too). Tokenizer: the data section's (synthetic: symbols, bytes: bytes, text: data.tokenizer).
+  c.posttrain = p = ml_collections.ConfigDict()
+  p.train_path = ""  # JSONL; "" = a synthetic reversal task written into WORKDIR/posttrain_data
+  p.eval_path = ""  # JSONL; "" = eval_fraction of the train rows held out
+  p.eval_fraction = 0.1
+  p.prompt_field = "prompt"
+  p.completion_field = "completion"
+  p.messages_field = "messages"
+  p.chosen_field = "chosen"
+  p.rejected_field = "rejected"
+  p.synthetic_examples = 2000  # rows of the synthetic task when train_path is ""
+  p.loss = "dpo"  # dpo: one of PREFERENCE_LOSSES (simpo is reference-free)
+  p.beta = 0.1  # dpo/ipo: the KL strength (ipo: 1/(2 beta) is the target margin); simpo: the reward scale
+  p.label_smoothing = 0.0  # dpo, rm: the assumed share of flipped labels (conservative DPO, cDPO)
+  p.simpo_gamma = 0.5  # simpo: the target margin between the length-normalized rewards
+  p.rm_center = 0.0  # rm: weight of mean(score^2), which keeps rewards centred near zero
 
   c.optim = o = ml_collections.ConfigDict()
   o.name = "adamw"  # one of OPTIMIZERS
@@ -290,6 +314,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   _check_choice("model.fused_norm", m.fused_norm, FUSED_NORM)
   _check_choice("model.attention", m.attention, ATTENTION)
   _check_choice("model.fp8", m.fp8, FP8)
+  _validate_posttrain(cfg)
   shape = mesh_shape(cfg.mesh, device_count)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len", "attention_block"):
@@ -323,7 +348,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
     raise ConfigError(f"data.max_symbols must be in [1, data.symbols], got {d.max_symbols}")
   if d.kind == "bytes" and m.vocab_size < 258:
     raise ConfigError(f"data.kind='bytes' needs model.vocab_size >= 258, got {m.vocab_size}")
-  if d.kind in ("bytes", "text") and not d.path:
+  if d.kind in ("bytes", "text") and not d.path and t.task == "lm":
     raise ConfigError(f"data.path is empty; data.kind={d.kind!r} needs a file, directory or glob")
   if d.kind == "text" and d.tokenizer == "byte" and m.vocab_size < 258:
     raise ConfigError(f"data.tokenizer='byte' needs model.vocab_size >= 258, got {m.vocab_size}")
@@ -358,7 +383,25 @@ FLOAT_RANGES = {
     "data.eval_fraction": (0.0, 1.0, True), "sample.temperature": (0.0, math.inf, True),
     "diloco.outer_lr": (0.0, math.inf, False), "diloco.outer_momentum": (0.0, 1.0, True),
     "diloco.mix": (0.0, 1.0, True), "diloco.drop_prob": (0.0, 1.0, True),
+    "posttrain.eval_fraction": (0.0, 1.0, False), "posttrain.beta": (0.0, math.inf, False),
+    "posttrain.label_smoothing": (0.0, 0.5, True), "posttrain.simpo_gamma": (0.0, math.inf, True),
+    "posttrain.rm_center": (0.0, math.inf, True),
 }
+
+
+def _validate_posttrain(cfg):
+  """train.task and the posttrain section (paths are read, and their errors reported, by the task)."""
+  t, p = cfg.train, cfg.posttrain
+  _check_choice("train.task", t.task, TASKS)
+  _check_choice("posttrain.loss", p.loss, PREFERENCE_LOSSES)
+  for key in ("prompt_field", "completion_field", "messages_field", "chosen_field", "rejected_field"):
+    if not p[key]:
+      raise ConfigError(f"posttrain.{key} must name a JSONL field, got ''")
+  if p.synthetic_examples < 10:
+    raise ConfigError(f"posttrain.synthetic_examples={p.synthetic_examples} must be >= 10")
+  if t.task != "lm" and cfg.mesh.context != 1:
+    raise ConfigError(f"train.task={t.task!r} with the context axis ({cfg.mesh.context}): post-training batches "
+                      "are not permuted for context parallelism yet (set --config.mesh.context=1)")
 
 
 def _validate_floats(cfg):

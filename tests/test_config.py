@@ -12,6 +12,7 @@ import pytest
 from jaxtrain import config as config_lib, config_files
 from jaxtrain.__main__ import main
 from jaxtrain.model import param_count
+import jaxtrain.posttrain  # noqa: F401 (registers train.task sft, rm, dpo for loop.build)
 from jaxtrain.train import loop, state as state_lib
 
 from tests.fixtures import ROOT
@@ -29,7 +30,8 @@ def test_config_builds_and_shards_abstractly(path):
   shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
   abstract = state_lib.abstract_state(task, tx)
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-  assert n == param_count(model.cfg)
+  head = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params.get("reward_head", {})))  # train.task rm
+  assert n == param_count(model.cfg) + head
   name = os.path.basename(path)[:-3]
   if name in EXPECTED:
     assert abs(n - EXPECTED[name]) / EXPECTED[name] < 0.01, n

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
 from jaxtrain.parallel import hlo_bytes
-from jaxtrain.train import lock, peers, state as state_lib
+from jaxtrain.train import lock, peers, state as state_lib, task as task_lib
 from jaxtrain.train.lm import LanguageModel
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.step import make_train_step
@@ -27,12 +27,22 @@ PROGRESS_INTERVAL_S = 1.0  # the progress bar redraws at most this often (notebo
 
 
 def build(cfg, workdir: str = "", devices=None, task=None):
-  """Mesh, task (default: language modeling), optimizer and schedule for a validated config."""
+  """Mesh, task (default: the one train.task names), optimizer and schedule for a validated config."""
   mesh = parallel.make_mesh(cfg.mesh, devices)
-  task = LanguageModel(cfg, workdir) if task is None else task
+  task = make_task(cfg, workdir) if task is None else task
   tx, schedule = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh.shape[cfg.comm.axis],
                              cfg.train.seed)
   return mesh, task, tx, schedule
+
+
+def make_task(cfg, workdir: str):
+  """The task train.task names: "lm" here, the others from task.TASKS (filled by jaxtrain.posttrain)."""
+  name = cfg.train.task
+  factories = {"lm": LanguageModel, **task_lib.TASKS}
+  if name not in factories:
+    raise config_lib.ConfigError(f"train.task={name!r} is not loaded: import jaxtrain.posttrain first (the CLI and "
+                                 "`import jaxtrain; jaxtrain.train(...)` do), or pass task=")
+  return factories[name](cfg, workdir)
 
 
 def peak_flops_total(cfg) -> tuple[float, str]:
@@ -256,7 +266,9 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     else:
       state, shardings = state_lib.create_state(task, tx, t.seed, mesh, cfg.mesh.rules)
       if cfg.checkpoint.init_from:
-        state = state.replace(params=init_params(cfg.checkpoint.init_from, state.params))
+        params, task_state = task.init_from(state.params, state.task_state,
+                                            lambda like: init_params(cfg.checkpoint.init_from, like))
+        state = state.replace(params=params, task_state=task_state)
     start = int(state.step)
 
     # ---- compile once, with the logical rules and mesh in context ----

@@ -10,6 +10,11 @@ groups, [B] scalars); `parallel.Feed` places any of them. Subclass `Task` and ov
 
 import jax
 
+# train.task -> `(cfg, workdir) -> Task` for the tasks defined above train/ (the loop may not import them):
+# jaxtrain/posttrain fills it when imported, as `import jaxtrain; jaxtrain.train` and the CLI do. "lm" is the
+# loop's own default (train/lm.py).
+TASKS: dict = {}
+
 
 class Task:
   """The defaults of a task; `batch_size` (global rows) must be set by the subclass."""
@@ -32,6 +37,12 @@ class Task:
     """An iterator over rows lo:hi of consecutive global batches of `split` ("train" or "eval"), with
     get_state() -> dict and set_state(dict) for exact resume."""
     raise NotImplementedError
+
+  def init_from(self, params: dict, task_state: dict, load) -> tuple[dict, dict]:
+    """(params, task_state) of a run started from `checkpoint.init_from`; `load(tree)` reads the checkpoint's
+    leaves of `tree` (fresh unboxed arrays, the same paths, shapes and shardings). Default: the params are
+    loaded, the task state kept. A frozen reference loads a second copy; a new head keeps its fresh init."""
+    return load(params), task_state
 
   def prepare(self, progress: bool) -> None:
     """Host-side work before the first batch (tokenizing a corpus); run on every process."""
