@@ -116,25 +116,25 @@ def make_sets(n_pretrain: int, n_sft: int, n_pairs: int, n_eval: int, noise: flo
   for name, share in (("noise", noise), ("sft_noise", sft_noise)):
     if not 0 <= share <= 1:
       raise ValueError(f"exact: {name} must be in [0, 1], got {share}")
-  # two streams per set, problems and labels, so a set of n rows is the first n rows of a larger one
-  problem_rng = {k: np.random.default_rng([seed, i, 0]) for i, k in enumerate(_SETS)}
-  label_rng = {k: np.random.default_rng([seed, i, 1]) for i, k in enumerate(_SETS)}
+  # three streams per set (problems, which rows are wrong, their wrong answers): a set of n rows is the
+  # first n rows of a larger one, and the rows wrong at a share are among those wrong at a larger share
+  rng = {(k, j): np.random.default_rng([seed, i, j]) for i, k in enumerate(_SETS) for j in range(3)}
   digits = dict(min_digits=min_digits, max_digits=max_digits)
 
   def labeled(name, n, share):
-    rng = label_rng[name]
-    for a, b in problems(n, problem_rng[name], False, **digits):
-      wrong = rng.random() < share
-      yield prompt_of(a, b), wrong_answer(a, b, rng, reverse) if wrong else answer_of(a, b, reverse)
+    for a, b in problems(n, rng[name, 0], False, **digits):
+      wrong = rng[name, 1].random() < share
+      bad = wrong_answer(a, b, rng[name, 2], reverse)  # drawn for every row, used for the wrong ones
+      yield prompt_of(a, b), bad if wrong else answer_of(a, b, reverse)
 
   return {
       "pretrain": [{"text": p + ans} for p, ans in labeled("pretrain", n_pretrain, noise)],
       "sft": [{"prompt": p, "completion": ans} for p, ans in labeled("sft", n_sft, sft_noise)],
       "pairs": [{"prompt": prompt_of(a, b), "chosen": answer_of(a, b, reverse),
-                 "rejected": wrong_answer(a, b, label_rng["pairs"], reverse)}
-                for a, b in problems(n_pairs, problem_rng["pairs"], False, **digits)],
+                 "rejected": wrong_answer(a, b, rng["pairs", 2], reverse)}
+                for a, b in problems(n_pairs, rng["pairs", 0], False, **digits)],
       "eval": [{"prompt": prompt_of(a, b), "answer": answer_of(a, b, reverse)}
-               for a, b in problems(n_eval, problem_rng["eval"], True, **digits)],
+               for a, b in problems(n_eval, rng["eval", 0], True, **digits)],
   }
 
 

@@ -29,6 +29,15 @@ def test_same_seed_same_sets_other_seed_other_sets():
   assert exact.make_sets(3000, 0, 0, 0, noise=0.2, seed=3)["pretrain"][:300] == one["pretrain"]
 
 
+def test_noisier_sets_keep_the_problems_and_add_wrong_rows():
+  rows = {share: exact.make_sets(0, 500, 0, 0, noise=0.0, seed=7, sft_noise=share)["sft"] for share in (0.1, 0.4)}
+  assert [r["prompt"] for r in rows[0.1]] == [r["prompt"] for r in rows[0.4]]
+  wrong = {share: {i for i, r in enumerate(rs) if exact.score(r["prompt"], r["completion"]) == 0.0}
+           for share, rs in rows.items()}
+  assert wrong[0.1] < wrong[0.4] and 20 < len(wrong[0.1]) < 80 and 160 < len(wrong[0.4]) < 240
+  assert all(rows[0.1][i] == rows[0.4][i] for i in wrong[0.1])  # the same wrong answers
+
+
 @pytest.mark.parametrize("noise", [0.0, 0.2, 1.0])
 def test_noise_share_is_the_requested_one(noise):
   n = 4000
