@@ -27,7 +27,8 @@ FAULTS = ("raised", "wrong_length", "non_finite")  # the kinds of faults `evalua
 
 def exact_match(prompts, completions, answer=None, **_):
   """1.0 when the completion's leading digits are exactly the answer: the rows' `answer` field when
-  they have one, else the sum the addition prompt asks for (jaxtrain/posttrain/exact.py)."""
+  they have one (any task; needed for exact.py's reversed answers), else the sum the addition prompt
+  asks for (jaxtrain/posttrain/exact.py). An empty answer never matches."""
   if answer is None:
     return [exact.score(p, c) for p, c in zip(prompts, completions)]
   return [float(exact.parse_completion(c) == str(a) != "") for c, a in zip(completions, answer)]
