@@ -1,7 +1,7 @@
 """Pre-trains a tiny byte-level model on the addition language (jaxtrain/posttrain/exact.py) and measures
 greedy exact-match accuracy on held-out prompts at every saved step. One JSON line per measurement.
 
-  python experiments/posttrain/pretrain_exact.py --out runs/exact --noise 0.0 --steps 1200
+  python experiments/posttrain/pretrain_exact.py --out runs/posttrain/exact_n0.2 --noise 0.2 [--forward]
 
 Not a test: minutes on a CPU. The numbers it printed are in experiments/posttrain/README.md.
 """
@@ -93,7 +93,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", required=True)
   p.add_argument("--noise", type=float, default=0.0)
-  p.add_argument("--reverse", action="store_true")
+  p.add_argument("--forward", action="store_true", help="answers most significant digit first (default: reversed)")
   p.add_argument("--steps", type=int, default=800)
   p.add_argument("--every", type=int, default=200)
   p.add_argument("--n_pretrain", type=int, default=100_000)
@@ -106,7 +106,7 @@ def main():
   if a.eval_only:
     paths = {"eval": os.path.join(data_dir, exact.FILES["eval"])}
   else:
-    paths = exact.write_dataset(data_dir, a.n_pretrain, 500, 500, a.n_eval, a.noise, a.seed, reverse=a.reverse)
+    paths = exact.write_dataset(data_dir, a.n_pretrain, 500, 500, a.n_eval, a.noise, a.seed, reverse=not a.forward)
     t0 = time.time()
     jaxtrain.train(tiny_config(paths["pretrain"], a.steps, a.every, a.seed), workdir, progress=False, start_over=True)
     print(json.dumps({"train_s": round(time.time() - t0, 1)}), flush=True)
@@ -114,7 +114,7 @@ def main():
   prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
   losses = {r["step"]: r["loss"] for r in jaxtrain.read_metrics(workdir) if "loss" in r}
   for step in range(a.every, a.steps + 1, a.every):
-    row = {"noise": a.noise, "reverse": a.reverse, "eval_prompts": len(prompts), "loss": losses.get(step)}
+    row = {"noise": a.noise, "reverse": not a.forward, "eval_prompts": len(prompts), "loss": losses.get(step)}
     print(json.dumps({**row, **measure(workdir, step, prompts, answers, a.samples)}), flush=True)
 
 

@@ -2,9 +2,11 @@
 
 Byte-level on purpose: any byte-tokenizer model (data.kind "text" with data.tokenizer "byte", vocab >= 258)
 reads it, and the existing samplers and decoders work unchanged. Operands have min_digits..max_digits
-digits (no leading zeros), the number of digits of each drawn uniformly, then the value. With
-`reverse` the answer is written least significant digit first ("123+45=861"), the order in which
-carries are computed; by default it is written as usual, so the model must anticipate carries.
+digits (no leading zeros), the number of digits of each drawn uniformly, then the value. The answer is
+written least significant digit first ("123+45=861", `reverse`, the default), the order in which carries
+are computed: a 2-layer d_model 128 model pre-trained for 800 steps answers 54% of held-out problems
+greedily this way, 3% with the usual order (reverse=False), whose first digit needs every carry
+(experiments/posttrain/README.md).
 
 One seed fixes every set: a pre-training corpus (a share `noise` of its answers wrong the way people
 get them wrong: a carry dropped or one digit off by one), a clean SFT set, preference pairs (chosen
@@ -41,7 +43,7 @@ def prompt_of(a: int, b: int) -> str:
   return f"{a}+{b}="
 
 
-def answer_of(a: int, b: int, reverse: bool = False) -> str:
+def answer_of(a: int, b: int, reverse: bool = True) -> str:
   s = str(a + b)
   return s[::-1] if reverse else s
 
@@ -64,13 +66,13 @@ def parse_completion(completion: str) -> str:
   return completion[:end]
 
 
-def score(prompt: str, completion: str, reverse: bool = False) -> float:
-  """1.0 when the completion's answer (parse_completion) is exactly the sum, else 0.0."""
+def score(prompt: str, completion: str, reverse: bool = True) -> float:
+  """1.0 when the completion's answer (parse_completion) is exactly the sum (reversed by default), else 0.0."""
   a, b = parse_prompt(prompt)
   return float(parse_completion(completion) == answer_of(a, b, reverse))
 
 
-def wrong_answer(a: int, b: int, rng: np.random.Generator, reverse: bool = False) -> str:
+def wrong_answer(a: int, b: int, rng: np.random.Generator, reverse: bool = True) -> str:
   """A plausible wrong answer, never the right one: half the time (when the sum has a carry) the
   carries dropped (digit-wise sums mod 10), otherwise one digit moved by one (no leading zero)."""
   right = str(a + b)
@@ -110,7 +112,7 @@ def problems(n: int, rng: np.random.Generator, held_out: bool, min_digits: int =
 
 def make_sets(n_pretrain: int, n_sft: int, n_pairs: int, n_eval: int, noise: float, seed: int,
               sft_noise: float = 0.0, min_digits: int = 2, max_digits: int = 3,
-              reverse: bool = False) -> dict[str, list[dict]]:
+              reverse: bool = True) -> dict[str, list[dict]]:
   """The four sets as lists of JSON rows (see the module docstring). Each set has its own streams of the
   seed: changing one size leaves the other sets unchanged, and a larger set extends a smaller one."""
   for name, share in (("noise", noise), ("sft_noise", sft_noise)):
@@ -156,7 +158,7 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def accuracy(complete: Callable[[list[str]], Sequence[str]], prompts: Sequence[str],
-             answers: Sequence[str] | None = None, reverse: bool = False) -> float:
+             answers: Sequence[str] | None = None, reverse: bool = True) -> float:
   """Share of prompts whose completion (by `complete`, prompts -> completions, e.g. greedy decoding) is
   exactly right: against `answers` when given (eval.jsonl's), else against the sum (score)."""
   prompts = list(prompts)
@@ -183,12 +185,13 @@ def main(argv=None) -> None:
   p.add_argument("--sft_noise", type=float, default=0.0, help="share of wrong answers in the SFT set")
   p.add_argument("--min_digits", type=int, default=2)
   p.add_argument("--max_digits", type=int, default=3)
-  p.add_argument("--reverse", action="store_true", help="write answers least significant digit first")
+  p.add_argument("--forward", action="store_true", help="write answers most significant digit first (the "
+                 "usual order; default: reversed, least significant first)")
   p.add_argument("--seed", type=int, default=0)
   a = p.parse_args(argv)
   try:
     paths = write_dataset(a.out, a.n_pretrain, a.n_sft, a.n_pairs, a.n_eval, a.noise, a.seed, sft_noise=a.sft_noise,
-                          min_digits=a.min_digits, max_digits=a.max_digits, reverse=a.reverse)
+                          min_digits=a.min_digits, max_digits=a.max_digits, reverse=not a.forward)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   print(json.dumps(paths))

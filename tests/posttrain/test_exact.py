@@ -42,7 +42,7 @@ def test_noisier_sets_keep_the_problems_and_add_wrong_rows():
 def test_noise_share_is_the_requested_one(noise):
   n = 4000
   rows = exact.make_sets(n, 0, 0, 0, noise=noise, seed=1)["pretrain"]
-  wrong = [a + b != int(ans) for a, b, ans in (_sum_of(r["text"]) for r in rows)]
+  wrong = [a + b != int(ans[::-1]) for a, b, ans in (_sum_of(r["text"]) for r in rows)]  # reversed answers
   share = float(np.mean(wrong))
   assert abs(share - noise) <= 4 * math.sqrt(noise * (1 - noise) / n) + 1e-12  # 4 sigma
 
@@ -53,11 +53,11 @@ def test_clean_sets_are_right_and_pairs_rejected_are_wrong():
     assert exact.score(r["prompt"], r["completion"]) == 1.0
   for r in sets["eval"]:
     a, b = exact.parse_prompt(r["prompt"])
-    assert r["answer"] == str(a + b)
+    assert r["answer"] == str(a + b)[::-1]
   for r in sets["pairs"]:
     assert exact.score(r["prompt"], r["chosen"]) == 1.0
     assert exact.score(r["prompt"], r["rejected"]) == 0.0
-    assert r["rejected"].isdigit() and (len(r["rejected"]) == 1 or r["rejected"][0] != "0")
+    assert r["rejected"].isdigit() and (len(r["rejected"]) == 1 or r["rejected"][-1] != "0")  # reversed
 
 
 def test_wrong_answers_are_wrong_and_plausible():
@@ -65,7 +65,7 @@ def test_wrong_answers_are_wrong_and_plausible():
   dropped = near = 0
   for _ in range(2000):
     a, b = int(rng.integers(10, 1000)), int(rng.integers(10, 1000))
-    wrong = exact.wrong_answer(a, b, rng)
+    wrong = exact.wrong_answer(a, b, rng, reverse=False)
     right = str(a + b)
     assert wrong != right and wrong.isdigit()
     if wrong == exact._without_carries(a, b):
@@ -76,20 +76,20 @@ def test_wrong_answers_are_wrong_and_plausible():
       assert len(diffs) == 1 and abs(diffs[0][0] - diffs[0][1]) == 1
       near += 1
   assert dropped > 400 and near > 400  # both kinds occur
-  assert exact.wrong_answer(123, 45, rng, reverse=True)[::-1] != "168"
+  assert all(exact.wrong_answer(123, 45, rng)[::-1] != "168" for _ in range(20))
 
 
 def test_score_is_exact():
-  assert exact.score("123+45=", "168") == 1.0
-  assert exact.score("123+45=", "168\n12+3=15") == 1.0  # stops at the first non-digit
-  assert exact.score("123+45=", "1680") == 0.0
-  assert exact.score("123+45=", "16") == 0.0
-  assert exact.score("123+45=", " 168") == 0.0
-  assert exact.score("123+45=", "") == 0.0
-  assert exact.score("123+45=", "861", reverse=True) == 1.0
-  assert exact.score("123+45=", "168", reverse=True) == 0.0
+  assert exact.score("123+45=", "861") == 1.0  # reversed by default
+  assert exact.score("123+45=", "861\n12+3=51") == 1.0  # stops at the first non-digit
+  assert exact.score("123+45=", "168") == 0.0
+  for forward in ("168", "168\n12+3=15"):
+    assert exact.score("123+45=", forward, reverse=False) == 1.0
+  for wrong in ("8610", "86", " 861", ""):
+    assert exact.score("123+45=", wrong) == 0.0
+  assert exact.score("5+5=", "01") == 1.0 and exact.score("5+5=", "10", reverse=False) == 1.0
   with pytest.raises(ValueError, match="not an addition prompt"):
-    exact.score("123-45=", "78")
+    exact.score("123-45=", "87")
 
 
 def test_eval_problems_never_appear_in_training_sets():
@@ -106,8 +106,8 @@ def test_eval_problems_never_appear_in_training_sets():
 def test_accuracy_takes_any_completer():
   rows = exact.make_sets(0, 0, 0, 40, noise=0.0, seed=0)["eval"]
   prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
-  oracle = lambda ps: [str(sum(exact.parse_prompt(p))) + "\n" for p in ps]
-  half = lambda ps: [str(sum(exact.parse_prompt(p)) + (i % 2)) for i, p in enumerate(ps)]
+  oracle = lambda ps: [exact.answer_of(*exact.parse_prompt(p)) + "\n" for p in ps]
+  half = lambda ps: [str(sum(exact.parse_prompt(p)) + (i % 2))[::-1] for i, p in enumerate(ps)]
   assert exact.accuracy(oracle, prompts) == 1.0
   assert exact.accuracy(half, prompts, answers) == 0.5
   with pytest.raises(ValueError, match="completions for"):
@@ -115,7 +115,7 @@ def test_accuracy_takes_any_completer():
 
 
 def test_write_dataset_and_cli_files(tmp_path):
-  paths = exact.write_dataset(str(tmp_path / "a"), 20, 10, 10, 10, noise=0.3, seed=0)
+  paths = exact.write_dataset(str(tmp_path / "a"), 20, 10, 10, 10, noise=0.3, seed=0, reverse=False)
   fields = {"pretrain": {"text"}, "sft": {"prompt", "completion"}, "pairs": {"prompt", "chosen", "rejected"},
             "eval": {"prompt", "answer"}}
   for name, path in paths.items():
@@ -124,7 +124,7 @@ def test_write_dataset_and_cli_files(tmp_path):
     assert all(set(r) == fields[name] and all(isinstance(v, str) for v in r.values()) for r in rows)
   out = subprocess.run([sys.executable, "-m", "jaxtrain.posttrain.exact", "--out", str(tmp_path / "b"),
                         "--n_pretrain", "20", "--n_sft", "10", "--n_pairs", "10", "--n_eval", "10",
-                        "--noise", "0.3"], capture_output=True, text=True, check=True)
+                        "--noise", "0.3", "--forward"], capture_output=True, text=True, check=True)
   cli_paths = json.loads(out.stdout)
   for name in paths:
     with open(paths[name]) as f, open(cli_paths[name]) as g:

@@ -8,7 +8,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.posttrain import rewards
 
 PROMPTS = ["12+30=", "100+23=", "7+5=", "99+1="]
-COMPLETIONS = ["42", "124\n", "12 apples", ""]
+COMPLETIONS = ["24", "124\n", "21 apples", ""]  # exact.py's answers are reversed: 42, 123, 12
 
 
 @pytest.fixture
@@ -22,20 +22,20 @@ def registered():
 
 def test_builtins():
   assert rewards.get("exact_match")(PROMPTS, COMPLETIONS) == [1.0, 0.0, 1.0, 0.0]
-  assert rewards.get("exact_match")(PROMPTS, COMPLETIONS, answer=["42", "123", "13", ""]) == [1.0, 0.0, 0.0, 0.0]
+  assert rewards.get("exact_match")(PROMPTS, COMPLETIONS, answer=["24", "123", "13", ""]) == [1.0, 0.0, 0.0, 0.0]
   assert rewards.get("format")(PROMPTS, COMPLETIONS) == [1.0, 1.0, 0.0, 0.0]
   assert rewards.get("length_penalty")(PROMPTS, COMPLETIONS) == [-0.02, -0.04, -0.09, 0.0]
   assert set(rewards.BUILTINS) <= set(rewards.names())
 
 
 def test_register_and_get(registered):
-  @rewards.register("ends_in_two")
-  def ends_in_two(prompts, completions, **_):
-    return [float(c.endswith("2")) for c in completions]
+  @rewards.register("ends_in_four")
+  def ends_in_four(prompts, completions, **_):
+    return [float(c.endswith("4")) for c in completions]
 
-  registered.append("ends_in_two")
-  assert rewards.get("ends_in_two") is ends_in_two
-  assert rewards.evaluate("ends_in_two", PROMPTS, COMPLETIONS)[0] == [1.0, 0.0, 0.0, 0.0]
+  registered.append("ends_in_four")
+  assert rewards.get("ends_in_four") is ends_in_four
+  assert rewards.evaluate("ends_in_four", PROMPTS, COMPLETIONS)[0] == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_unknown_name_is_one_line_listing_the_registered():
@@ -65,7 +65,7 @@ def test_row_fields_reach_the_functions():
     seen.update(answer=answer, topic=topic)
     return [float(c == a) for c, a in zip(completions, answer)]
 
-  answers = ["42", "124\n", "0", "1"]
+  answers = ["24", "124\n", "0", "1"]
   got, _ = rewards.evaluate(uses_fields, PROMPTS, COMPLETIONS, answer=answers, topic=["t"] * 4)
   assert got == [1.0, 1.0, 0.0, 0.0] and seen == {"answer": answers, "topic": ["t"] * 4}
 
