@@ -110,7 +110,8 @@ def evaluate(fns_with_weights, prompts: Sequence[str], completions: Sequence[str
              **row_fields) -> tuple[list[float], dict]:
   """(rewards, counts): rewards[i] = sum over functions of weight * fn(...)[i], where a faulty value
   counts 0 (see the module docstring); counts = {label: {fault: n}} with the number of faulty *samples*
-  of each kind for each function, and "total" summing them over functions. `fns_with_weights`: any
+  of each kind for each function (its name; `name_i` for the i-th function when taken), and "total"
+  summing them over functions. `fns_with_weights`: any
   spec `resolve` takes."""
   prompts, completions = list(prompts), list(completions)
   n = len(prompts)
@@ -118,9 +119,9 @@ def evaluate(fns_with_weights, prompts: Sequence[str], completions: Sequence[str
     raise ValueError(f"rewards.evaluate: {len(completions)} completions for {n} prompts")
   rewards = [0.0] * n
   counts = {"total": dict.fromkeys(FAULTS, 0)}
-  for label, fn, weight in resolve(fns_with_weights):
+  for i, (label, fn, weight) in enumerate(resolve(fns_with_weights)):
     values, faults = _call(fn, prompts, completions, row_fields, n)
-    counts[label] = faults
+    counts[label if label not in counts else f"{label}_{i}"] = faults  # two lambdas: <lambda>, <lambda>_1
     for kind, k in faults.items():
       counts["total"][kind] += k
     for i, v in enumerate(values):

@@ -88,6 +88,8 @@ def test_faulty_functions_are_counted_and_zeroed_never_raised():
   assert counts["too_short"] == {"raised": 0, "wrong_length": 4, "non_finite": 0}
   assert counts["exact_match"] == dict.fromkeys(rewards.FAULTS, 0)
   assert counts["total"] == {"raised": 4, "wrong_length": 4, "non_finite": 3}
+  _, counts = rewards.evaluate([raises, lambda p, c, **_: [1.0], lambda p, c, **_: [1.0] * 4], PROMPTS, COMPLETIONS)
+  assert counts["<lambda>"]["wrong_length"] == 4 and counts["<lambda>_2"]["wrong_length"] == 0
   # exact_match on a prompt that is not an addition raises inside: counted, not fatal
   got, counts = rewards.evaluate("exact_match", ["hello"], ["1"])
   assert got == [0.0] and counts["total"]["raised"] == 1
