@@ -1,4 +1,5 @@
-"""A task with an exact answer: integer addition in text, "123+45=168". Numpy and stdlib only.
+"""A task with an exact answer: integer addition in text, "123+45=861" (the sum 168, reversed). Numpy
+and stdlib only.
 
 Byte-level on purpose: any byte-tokenizer model (data.kind "text" with data.tokenizer "byte", vocab >= 258)
 reads it, and the existing samplers and decoders work unchanged. Operands have min_digits..max_digits
@@ -15,9 +16,11 @@ by a hash of the problem (EVAL_SHARE of all), so no training set contains an eva
 
   python -m jaxtrain.posttrain.exact --out DIR [--n_pretrain N ...] [--noise 0.2] [--seed 0]
 
-writes DIR/pretrain.jsonl ({"text": "123+45=168"}, one problem a document: BOS text EOS through the text
-pipeline, `--config.data.kind=text --config.data.path=DIR/pretrain.jsonl`), DIR/sft.jsonl ({"prompt",
-"completion"}), DIR/pairs.jsonl ({"prompt", "chosen", "rejected"}), DIR/eval.jsonl ({"prompt", "answer"}).
+writes DIR/pretrain.jsonl ({"text": "123+45=861"}, one problem a document: BOS text EOS through the text
+pipeline, `--config.data.kind=text --config.data.path=DIR/pretrain.jsonl`), DIR/sft.jsonl ({"prompt":
+"123+45=", "completion": "861"}), DIR/pairs.jsonl ({"prompt", "chosen", "rejected"}) and DIR/eval.jsonl
+({"prompt", "answer"}). A model pre-trained on the corpus expects BOS + prompt, and ends its answer with
+EOS: SFT and rollouts should frame prompt and completion the same way.
 """
 
 import argparse
