@@ -212,7 +212,7 @@ def main(argv=None) -> int:
       print(f"preempted ({final['preempted']}) at step {final['step']}: checkpoint saved; rerun the same "
             "command to resume", file=sys.stderr)
       return EXIT_STATUS
-    if not args.no_sample and jax.process_index() == 0:
+    if not args.no_sample and cfg.train.task != "rm" and jax.process_index() == 0:  # a reward model scores text
       s = cfg.sample
       text = jaxtrain.sample(args.workdir, s.prompt, s.max_new_tokens, s.temperature, s.top_k)
       print(f"sample: {s.prompt!r} -> {text!r}")
