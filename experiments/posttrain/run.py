@@ -3,7 +3,7 @@
   noise:  held-out greedy exact-match accuracy after SFT on the same addition problems with 0, 10, 20, 40%
           of the answers wrong (exact.make_sets' sft_noise: the wrong rows at a share are among those
           wrong at a larger one);
-  domain: accuracy and macro-F1 of a synthetic ticket-classification task (the label is the completion)
+  domain: accuracy and macro-F1 of a synthetic ticket-classification task (the label's one-digit code is the completion)
           after SFT on 50, 200 and 1,000 labeled examples, from a base that never saw the domain.
 
   python experiments/posttrain/run.py [--study noise|domain|all] [--out DIR] [--quick]
@@ -108,13 +108,23 @@ def write_jsonl(rows, path: str) -> str:
 
 # ---- (b) noisy SFT answers ----
 
+def answer_stats(completions, prompts, answers) -> dict:
+  """Exact-match accuracy, and the share of the problems with a carry answered with the carries dropped
+  (the noise's most common wrong answer, exact.wrong_answer)."""
+  right = [exact.parse_completion(c) == a for c, a in zip(completions, answers)]
+  dropped = [exact._without_carries(*exact.parse_prompt(p))[::-1] for p in prompts]
+  as_dropped = [exact.parse_completion(c) == d for c, d, a in zip(completions, dropped, answers) if d != a]
+  return {"accuracy": round(float(np.mean(right)), 4), "carries_dropped_share": round(float(np.mean(as_dropped)), 4),
+          "eval_with_carry": len(as_dropped)}
+
+
 def study_noise(out: str, b: dict, quick: bool, seed: int) -> dict:
   base_cfg, base_dir, paths = train_base(out, b, quick, seed)
   evals = exact.read_jsonl(paths["eval"])
   prompts, answers = [r["prompt"] for r in evals], [r["answer"] for r in evals]
   eval_sft = write_jsonl([{"prompt": p, "completion": a} for p, a in zip(prompts, answers)],
                          os.path.join(out, "noise", "eval_sft.jsonl"))
-  base_acc = exact.accuracy(lambda ps: greedy(base_dir, b["pretrain_steps"], ps, 6), prompts, answers)
+  base = answer_stats(greedy(base_dir, b["pretrain_steps"], prompts, 6), prompts, answers)
   rows = []
   for share in NOISE_SHARES:
     sets = exact.make_sets(0, b["n_sft"], 0, 0, 0.0, seed, sft_noise=share)
@@ -123,12 +133,12 @@ def study_noise(out: str, b: dict, quick: bool, seed: int) -> dict:
     workdir = os.path.join(out, "noise", f"sft_{share}")
     train_s = sft(sft_config(base_cfg, train_path, eval_sft, base_dir, b["sft_steps"], b), workdir)
     completions = greedy(workdir, b["sft_steps"], prompts, 6)
-    right = [exact.parse_completion(c) == a for c, a in zip(completions, answers)]
     losses = [r["loss"] for r in jaxtrain.read_metrics(workdir) if "loss" in r]
-    rows.append({"sft_noise": share, "wrong_in_sft_set": round(float(wrong), 4), "accuracy": round(float(np.mean(right)), 4),
+    rows.append({"sft_noise": share, "wrong_in_sft_set": round(float(wrong), 4), **answer_stats(completions, prompts, answers),
                  "final_sft_loss": round(losses[-1], 4), "train_s": train_s})
     print(json.dumps(rows[-1]), flush=True)
-  return {"base_accuracy": round(base_acc, 4), "eval_prompts": len(prompts), "sft_examples": b["n_sft"],
+  return {"base_accuracy": base["accuracy"], "base_carries_dropped_share": base["carries_dropped_share"],
+          "eval_prompts": len(prompts), "sft_examples": b["n_sft"],
           "sft_steps": b["sft_steps"], "sft_batch_rows": b["sft_batch"], "sft_lr": b["sft_lr"], "rows": rows}
 
 
@@ -142,6 +152,7 @@ LABELS = {  # a support-ticket domain: every word five letters, so every prompt 
 }
 FILLERS = ("today", "again", "still", "after", "never", "often", "maybe", "quite", "about", "since", "while",
            "where", "which", "their", "other", "every")
+CODES = {label: str(i + 1) for i, label in enumerate(sorted(LABELS))}  # the completion: a one-token code
 DOMAIN_EVAL_SHARE = 0.2  # share of all texts (by hash) that only the eval set draws from
 
 
@@ -150,27 +161,25 @@ def domain_prompt(words) -> str:
 
 
 def domain_rows(n: int, seed: int, held_out: bool) -> list[dict]:
-  """n labeled tickets {"prompt", "completion": label}: one keyword of a uniformly drawn category among
-  three fillers, at a random place; the label is the keyword's category. Held-out texts (crc32 of the
+  """n labeled tickets {"prompt", "completion": CODES[label], "label"}: three fillers, then one keyword of a
+  uniformly drawn category; the label is the keyword's category. Held-out texts (crc32 of the
   prompt below DOMAIN_EVAL_SHARE) never appear in a training set; a larger n extends a smaller one."""
   rng = np.random.default_rng([seed, 29, int(held_out)])
   labels, rows = sorted(LABELS), []
   while len(rows) < n:
     label = labels[int(rng.integers(len(labels)))]
     words = [FILLERS[int(i)] for i in rng.integers(len(FILLERS), size=3)]
-    words.insert(int(rng.integers(4)), LABELS[label][int(rng.integers(len(LABELS[label])))])
+    words.append(LABELS[label][int(rng.integers(len(LABELS[label])))])
     prompt = domain_prompt(words)
     if (zlib.crc32(prompt.encode()) / 2**32 < DOMAIN_EVAL_SHARE) == held_out:
-      rows.append({"prompt": prompt, "completion": label})
+      rows.append({"prompt": prompt, "completion": CODES[label], "label": label})
   return rows
 
 
 def parse_label(completion: str):
-  """The label a completion gives: its leading run of letters, when that is a label; else None."""
-  end = 0
-  while end < len(completion) and completion[end].isalpha():
-    end += 1
-  return completion[:end] if completion[:end] in LABELS else None
+  """The label a completion gives: its leading digits (exact.parse_completion), when they are a label's
+  code; else None."""
+  return {code: label for label, code in CODES.items()}.get(exact.parse_completion(completion))
 
 
 def macro_f1(true, predicted, labels) -> float:
@@ -195,9 +204,9 @@ def domain_scores(completions, true) -> dict:
 def study_domain(out: str, b: dict, quick: bool, seed: int) -> dict:
   base_cfg, base_dir, _ = train_base(out, b, quick, seed)
   evals = domain_rows(b["n_eval"], seed, held_out=True)
-  prompts, true = [r["prompt"] for r in evals], [r["completion"] for r in evals]
+  prompts, true = [r["prompt"] for r in evals], [r["label"] for r in evals]
   eval_path = write_jsonl(evals, os.path.join(out, "domain", "eval.jsonl"))
-  new_tokens = max(map(len, LABELS)) + 1
+  new_tokens = 2
   base = domain_scores(greedy(base_dir, b["pretrain_steps"], prompts, new_tokens), true)
   train_all = domain_rows(max(DOMAIN_SIZES), seed, held_out=False)
   rows = []
@@ -205,9 +214,15 @@ def study_domain(out: str, b: dict, quick: bool, seed: int) -> dict:
     train_path = write_jsonl(train_all[:n], os.path.join(out, "domain", f"train_{n}.jsonl"))
     workdir = os.path.join(out, "domain", f"sft_{n}")
     train_s = sft(sft_config(base_cfg, train_path, eval_path, base_dir, b["domain_steps"], b), workdir)
-    seen = {w for r in train_all[:n] for w in r["prompt"].split()}
-    rows.append({"examples": n, **domain_scores(greedy(workdir, b["domain_steps"], prompts, new_tokens), true),
-                 "keywords_seen": sum(w in seen for ws in LABELS.values() for w in ws), "train_s": train_s})
+    seen = {r["prompt"].split()[-2] for r in train_all[:n]}  # the keywords the training set shows
+    completions = greedy(workdir, b["domain_steps"], prompts, new_tokens)
+    known = np.array([p.split()[-2] in seen for p in prompts])
+    right = np.array([parse_label(c) == t for c, t in zip(completions, true)])
+    rows.append({"examples": n, **domain_scores(completions, true), "keywords_seen": len(seen),
+                 "eval_with_seen_keyword": round(float(known.mean()), 4),
+                 "accuracy_seen_keyword": round(float(right[known].mean()), 4) if known.any() else None,
+                 "accuracy_unseen_keyword": round(float(right[~known].mean()), 4) if (~known).any() else None,
+                 "train_s": train_s})
     print(json.dumps(rows[-1]), flush=True)
   return {"base": base, "eval_prompts": len(prompts), "keywords": sum(map(len, LABELS.values())),
           "sft_steps": b["domain_steps"], "sft_batch_rows": b["sft_batch"], "sft_lr": b["sft_lr"], "rows": rows}
@@ -217,15 +232,19 @@ def study_domain(out: str, b: dict, quick: bool, seed: int) -> dict:
 
 def table(study: str, r: dict) -> str:
   if study == "noise":
-    lines = ["| wrong SFT answers | accuracy after SFT | final SFT loss |", "| ---: | ---: | ---: |",
-             f"| base (no SFT) | {r['base_accuracy']:.1%} | |"]
-    lines += [f"| {x['wrong_in_sft_set']:.1%} | {x['accuracy']:.1%} | {x['final_sft_loss']:.3f} |" for x in r["rows"]]
+    lines = ["| wrong SFT answers | accuracy after SFT | answer = carries dropped | final SFT loss |",
+             "| ---: | ---: | ---: | ---: |", f"| base (no SFT) | {r['base_accuracy']:.1%} | {r['base_carries_dropped_share']:.1%} | |"]
+    lines += [f"| {x['wrong_in_sft_set']:.1%} | {x['accuracy']:.1%} | {x['carries_dropped_share']:.1%} | "
+              f"{x['final_sft_loss']:.3f} |" for x in r["rows"]]
   else:
-    lines = ["| SFT examples | keywords seen | accuracy | macro-F1 | unparseable |", "| ---: | ---: | ---: | ---: | ---: |",
+    pct = lambda v: "-" if v is None else f"{v:.1%}"
+    lines = ["| SFT examples | keywords seen | accuracy | macro-F1 | unparseable | accuracy, keyword seen | "
+             "accuracy, keyword unseen |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
              f"| base (0) | 0/{r['keywords']} | {r['base']['accuracy']:.1%} | {r['base']['macro_f1']:.3f} | "
-             f"{r['base']['unparseable']:.1%} |"]
+             f"{r['base']['unparseable']:.1%} | - | - |"]
     lines += [f"| {x['examples']} | {x['keywords_seen']}/{r['keywords']} | {x['accuracy']:.1%} | {x['macro_f1']:.3f} | "
-              f"{x['unparseable']:.1%} |" for x in r["rows"]]
+              f"{x['unparseable']:.1%} | {pct(x['accuracy_seen_keyword'])} ({x['eval_with_seen_keyword']:.0%} of eval) | "
+              f"{pct(x['accuracy_unseen_keyword'])} |" for x in r["rows"]]
   return "\n".join(lines) + "\n"
 
 

@@ -30,22 +30,23 @@ def test_domain_rows_follow_the_rule_and_hold_out_their_eval_texts(run):
     words = r["prompt"][len("ticket: "):-len(" =")].split()
     assert len(words) == 4 and all(len(w) == 5 for w in words)
     keywords = [w for w in words if w in keyword_label]
-    assert len(keywords) == 1 and r["completion"] == keyword_label[keywords[0]]
+    assert keywords == words[-1:] and r["label"] == keyword_label[words[-1]]
+    assert r["completion"] == run.CODES[r["label"]]
     assert sum(w in run.FILLERS for w in words) == 3
   assert len({len(r["prompt"]) for r in train + held}) == 1  # one prompt length: one decode batch
   assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
   assert run.domain_rows(50, 0, False) == train[:50]  # a smaller training set is a prefix of a larger one
   assert run.domain_rows(50, 1, False) != train[:50]
-  counts = np.array([sum(r["completion"] == k for r in train) for k in run.LABELS])
+  counts = np.array([sum(r["label"] == k for r in train) for k in run.LABELS])
   assert counts.min() > 200  # roughly balanced over the 4 labels
 
 
 def test_parse_label(run):
-  assert run.parse_label("network") == "network"
-  assert run.parse_label("billing\nxyz") == "billing"
-  assert run.parse_label("networks") is None  # a longer word is not the label
-  assert run.parse_label(" network") is None
-  assert run.parse_label("") is None
+  assert sorted(run.CODES.values()) == ["1", "2", "3", "4"]
+  for label, code in run.CODES.items():
+    assert run.parse_label(code) == label and run.parse_label(code + "\nxyz") == label
+  assert run.parse_label("12") is None  # a longer number is not a code
+  assert run.parse_label(" 1") is None and run.parse_label("billing") is None and run.parse_label("") is None
 
 
 def test_macro_f1_against_a_confusion_matrix(run):
@@ -63,7 +64,7 @@ def test_macro_f1_against_a_confusion_matrix(run):
   assert run.macro_f1(true, predicted, labels) == pytest.approx(want, rel=1e-12)
   assert run.macro_f1(true, true, labels) == 1.0
   assert run.macro_f1(true, [None] * len(true), labels) == 0.0
-  scores = run.domain_scores(["billing", "nope", "account"], ["billing", "billing", "network"])
+  scores = run.domain_scores([run.CODES["billing"], "nope", run.CODES["account"]], ["billing", "billing", "network"])
   assert scores["accuracy"] == round(1 / 3, 4) and scores["unparseable"] == round(1 / 3, 4)
 
 
