@@ -79,11 +79,12 @@ def test_quick_run_writes_both_studies(tmp_path):
   assert wrong[0] == 0.0 and wrong == sorted(wrong) and wrong[-1] > 0  # nested wrong rows
   domain = json.load(open(tmp_path / "domain" / "results.json"))
   assert [r["examples"] for r in domain["rows"]] == [50, 200, 1000]
+  assert [r["keywords_seen"] for r in domain["rows"]][1:] == [32, 32]  # 200 examples show every keyword
   for study, r in (("noise", noise), ("domain", domain)):
     assert r["command"] == f"python experiments/posttrain/run.py --study {study} --quick"
     assert (tmp_path / study / f"{study}.png").stat().st_size > 1000
     table = (tmp_path / study / "table.md").read_text()
-    assert table.count("\n| ") == len(r["rows"]) + 2  # header rule, base, one line per arm
+    assert table.count("\n| ") == len(r["rows"]) + 3  # header, rule, base, one line per arm
   # every SFT run started from the base: its saved config points there, and the base trained once
   for arm in ("noise/sft_0.4", "domain/sft_50"):
     cfg = json.load(open(tmp_path / arm / "config.json"))
