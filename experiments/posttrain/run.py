@@ -134,7 +134,8 @@ def study_noise(out: str, b: dict, quick: bool, seed: int) -> dict:
     train_s = sft(sft_config(base_cfg, train_path, eval_sft, base_dir, b["sft_steps"], b), workdir)
     completions = greedy(workdir, b["sft_steps"], prompts, 6)
     losses = [r["loss"] for r in jaxtrain.read_metrics(workdir) if "loss" in r]
-    rows.append({"sft_noise": share, "wrong_in_sft_set": round(float(wrong), 4), **answer_stats(completions, prompts, answers),
+    rows.append({"sft_noise": share, "wrong_in_sft_set": round(float(wrong), 4),
+                 **answer_stats(completions, prompts, answers),
                  "final_sft_loss": round(losses[-1], 4), "train_s": train_s})
     print(json.dumps(rows[-1]), flush=True)
   return {"base_accuracy": base["accuracy"], "base_carries_dropped_share": base["carries_dropped_share"],
@@ -233,7 +234,8 @@ def study_domain(out: str, b: dict, quick: bool, seed: int) -> dict:
 def table(study: str, r: dict) -> str:
   if study == "noise":
     lines = ["| wrong SFT answers | accuracy after SFT | answer = carries dropped | final SFT loss |",
-             "| ---: | ---: | ---: | ---: |", f"| base (no SFT) | {r['base_accuracy']:.1%} | {r['base_carries_dropped_share']:.1%} | |"]
+             "| ---: | ---: | ---: | ---: |",
+             f"| base (no SFT) | {r['base_accuracy']:.1%} | {r['base_carries_dropped_share']:.1%} | |"]
     lines += [f"| {x['wrong_in_sft_set']:.1%} | {x['accuracy']:.1%} | {x['carries_dropped_share']:.1%} | "
               f"{x['final_sft_loss']:.3f} |" for x in r["rows"]]
   else:
@@ -243,7 +245,8 @@ def table(study: str, r: dict) -> str:
              f"| base (0) | 0/{r['keywords']} | {r['base']['accuracy']:.1%} | {r['base']['macro_f1']:.3f} | "
              f"{r['base']['unparseable']:.1%} | - | - |"]
     lines += [f"| {x['examples']} | {x['keywords_seen']}/{r['keywords']} | {x['accuracy']:.1%} | {x['macro_f1']:.3f} | "
-              f"{x['unparseable']:.1%} | {pct(x['accuracy_seen_keyword'])} ({x['eval_with_seen_keyword']:.0%} of eval) | "
+              f"{x['unparseable']:.1%} | {pct(x['accuracy_seen_keyword'])} "
+              f"({x['eval_with_seen_keyword']:.0%} of eval) | "
               f"{pct(x['accuracy_unseen_keyword'])} |" for x in r["rows"]]
   return "\n".join(lines) + "\n"
 
