@@ -1,0 +1,316 @@
+"""Two SFT studies (issue 13 item 8) on one base model pre-trained on the addition language:
+
+  noise:  held-out greedy exact-match accuracy after SFT on the same addition problems with 0, 10, 20, 40%
+          of the answers wrong (exact.make_sets' sft_noise: the wrong rows at a share are among those
+          wrong at a larger one);
+  domain: accuracy and macro-F1 of a synthetic ticket-classification task (the label's one-digit code is the completion)
+          after SFT on 50, 200 and 1,000 labeled examples, from a base that never saw the domain.
+
+  python experiments/posttrain/run.py [--study noise|domain|all] [--out DIR] [--quick]
+
+The base (config.py's model, 800 steps on 100,000 clean problems, seed 0) is trained once under
+--out/base and reused by both studies while its last checkpoint is there. Every SFT run is
+`jaxtrain.train` with train.task=sft, posttrain.train_path/eval_path and checkpoint.init_from=the base.
+Writes results.json, table.md and a plot per study into experiments/posttrain/<study>/ (the full run) or
+into --out/<study>/ (--quick: a 1-layer d_model 32 model, a few steps, a few prompts; what the tests run).
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:  # the repository's jaxtrain, not an installed copy
+  sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+import jaxtrain  # noqa: E402
+from jaxtrain.posttrain import exact  # noqa: E402
+
+NOISE_SHARES = (0.0, 0.1, 0.2, 0.4)
+DOMAIN_SIZES = (50, 200, 1000)
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(f"posttrain_{name}", os.path.join(HERE, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+PRETRAIN = _load("pretrain_exact")  # tiny_config (config.py's) and completer (greedy decoding of a saved step)
+
+
+# ---- budgets ----
+
+FULL = dict(pretrain_steps=800, n_pretrain=100_000, n_eval=300, n_sft=2000, sft_steps=300, sft_batch=16,
+            sft_lr=3e-3, domain_steps=300)
+QUICK = dict(pretrain_steps=12, n_pretrain=2000, n_eval=16, n_sft=64, sft_steps=3, sft_batch=8,
+             sft_lr=1e-3, domain_steps=3)
+
+
+def base_config(data_path: str, b: dict, quick: bool, seed: int):
+  c = PRETRAIN.tiny_config(data_path, b["pretrain_steps"], b["pretrain_steps"], seed)
+  if quick:
+    c.model.update(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
+    c.train.update(batch_size=8, log_every=4)
+  return c
+
+
+def sft_config(base_cfg, train_path: str, eval_path: str, base_dir: str, steps: int, b: dict):
+  """The base's model and tokenizer, SFT on train_path (completion tokens only), started from the base."""
+  c = base_cfg.copy_and_resolve_references()
+  c.train.update(task="sft", steps=steps, batch_size=b["sft_batch"], log_every=max(1, steps // 5), eval_every=0)
+  c.posttrain.update(train_path=train_path, eval_path=eval_path)
+  c.optim.update(lr=b["sft_lr"], warmup_steps=max(1, steps // 15), schedule="cosine")
+  c.checkpoint.update(init_from=base_dir, every_steps=steps, keep_every_steps=0)
+  return c
+
+
+def train_base(out: str, b: dict, quick: bool, seed: int):
+  """(config, workdir, data paths) of the base model; trained unless its last step is already saved."""
+  paths = exact.write_dataset(os.path.join(out, "data"), b["n_pretrain"], 0, 0, b["n_eval"], 0.0, seed)
+  cfg, workdir = base_config(paths["pretrain"], b, quick, seed), os.path.join(out, "base")
+  done = os.path.join(workdir, "done.json")
+  if not (os.path.isfile(done) and json.load(open(done)) == json.loads(cfg.to_json())):
+    t0 = time.time()
+    jaxtrain.train(cfg, workdir, progress=False, start_over=True)
+    with open(done, "w") as f:
+      f.write(cfg.to_json())
+    print(json.dumps({"base_train_s": round(time.time() - t0, 1)}), flush=True)
+  return cfg, workdir, paths
+
+
+def sft(cfg, workdir: str) -> float:
+  t0 = time.time()
+  jaxtrain.train(cfg, workdir, progress=False, start_over=True)
+  return round(time.time() - t0, 1)
+
+
+def greedy(workdir: str, step: int, prompts, max_new_tokens: int):
+  return PRETRAIN.completer(workdir, step, max_new_tokens=max_new_tokens)(prompts)
+
+
+def write_jsonl(rows, path: str) -> str:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return path
+
+
+# ---- (b) noisy SFT answers ----
+
+def answer_stats(completions, prompts, answers) -> dict:
+  """Exact-match accuracy, and the share of the problems with a carry answered with the carries dropped
+  (the noise's most common wrong answer, exact.wrong_answer)."""
+  right = [exact.parse_completion(c) == a for c, a in zip(completions, answers)]
+  dropped = [exact._without_carries(*exact.parse_prompt(p))[::-1] for p in prompts]
+  as_dropped = [exact.parse_completion(c) == d for c, d, a in zip(completions, dropped, answers) if d != a]
+  return {"accuracy": round(float(np.mean(right)), 4), "carries_dropped_share": round(float(np.mean(as_dropped)), 4),
+          "eval_with_carry": len(as_dropped)}
+
+
+def study_noise(out: str, b: dict, quick: bool, seed: int) -> dict:
+  base_cfg, base_dir, paths = train_base(out, b, quick, seed)
+  evals = exact.read_jsonl(paths["eval"])
+  prompts, answers = [r["prompt"] for r in evals], [r["answer"] for r in evals]
+  eval_sft = write_jsonl([{"prompt": p, "completion": a} for p, a in zip(prompts, answers)],
+                         os.path.join(out, "noise", "eval_sft.jsonl"))
+  base = answer_stats(greedy(base_dir, b["pretrain_steps"], prompts, 6), prompts, answers)
+  rows = []
+  for share in NOISE_SHARES:
+    sets = exact.make_sets(0, b["n_sft"], 0, 0, 0.0, seed, sft_noise=share)
+    wrong = np.mean([exact.score(r["prompt"], r["completion"]) == 0.0 for r in sets["sft"]])
+    train_path = write_jsonl(sets["sft"], os.path.join(out, "noise", f"sft_{share}.jsonl"))
+    workdir = os.path.join(out, "noise", f"sft_{share}")
+    train_s = sft(sft_config(base_cfg, train_path, eval_sft, base_dir, b["sft_steps"], b), workdir)
+    completions = greedy(workdir, b["sft_steps"], prompts, 6)
+    losses = [r["loss"] for r in jaxtrain.read_metrics(workdir) if "loss" in r]
+    rows.append({"sft_noise": share, "wrong_in_sft_set": round(float(wrong), 4),
+                 **answer_stats(completions, prompts, answers),
+                 "final_sft_loss": round(losses[-1], 4), "train_s": train_s})
+    print(json.dumps(rows[-1]), flush=True)
+  return {"base_accuracy": base["accuracy"], "base_carries_dropped_share": base["carries_dropped_share"],
+          "eval_prompts": len(prompts), "sft_examples": b["n_sft"],
+          "sft_steps": b["sft_steps"], "sft_batch_rows": b["sft_batch"], "sft_lr": b["sft_lr"], "rows": rows}
+
+
+# ---- (c) domain adaptation from little data ----
+
+LABELS = {  # a support-ticket domain: every word five letters, so every prompt has the same length
+    "billing": ("price", "money", "bills", "taxes", "debit", "costs", "loans", "funds"),
+    "network": ("wires", "modem", "cable", "ports", "relay", "proxy", "hosts", "pings"),
+    "hardware": ("mouse", "disks", "chips", "board", "drive", "screw", "plugs", "laser"),
+    "account": ("login", "email", "users", "roles", "token", "reset", "names", "badge"),
+}
+FILLERS = ("today", "again", "still", "after", "never", "often", "maybe", "quite", "about", "since", "while",
+           "where", "which", "their", "other", "every")
+CODES = {label: str(i + 1) for i, label in enumerate(sorted(LABELS))}  # the completion: a one-token code
+DOMAIN_EVAL_SHARE = 0.2  # share of all texts (by hash) that only the eval set draws from
+
+
+def domain_prompt(words) -> str:
+  return "ticket: " + " ".join(words) + " ="
+
+
+def domain_rows(n: int, seed: int, held_out: bool) -> list[dict]:
+  """n labeled tickets {"prompt", "completion": CODES[label], "label"}: three fillers, then one keyword of a
+  uniformly drawn category; the label is the keyword's category. Held-out texts (crc32 of the
+  prompt below DOMAIN_EVAL_SHARE) never appear in a training set; a larger n extends a smaller one."""
+  rng = np.random.default_rng([seed, 29, int(held_out)])
+  labels, rows = sorted(LABELS), []
+  while len(rows) < n:
+    label = labels[int(rng.integers(len(labels)))]
+    words = [FILLERS[int(i)] for i in rng.integers(len(FILLERS), size=3)]
+    words.append(LABELS[label][int(rng.integers(len(LABELS[label])))])
+    prompt = domain_prompt(words)
+    if (zlib.crc32(prompt.encode()) / 2**32 < DOMAIN_EVAL_SHARE) == held_out:
+      rows.append({"prompt": prompt, "completion": CODES[label], "label": label})
+  return rows
+
+
+def parse_label(completion: str):
+  """The label a completion gives: its leading digits (exact.parse_completion), when they are a label's
+  code; else None."""
+  return {code: label for label, code in CODES.items()}.get(exact.parse_completion(completion))
+
+
+def macro_f1(true, predicted, labels) -> float:
+  """Mean over `labels` of per-class F1 (0 for a class with no true and no predicted example's overlap);
+  a prediction of None (unparseable) is a miss of its true class and no class's false positive."""
+  f1s = []
+  for k in labels:
+    tp = sum(t == k and p == k for t, p in zip(true, predicted))
+    fp = sum(t != k and p == k for t, p in zip(true, predicted))
+    fn = sum(t == k and p != k for t, p in zip(true, predicted))
+    f1s.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
+  return float(np.mean(f1s))
+
+
+def domain_scores(completions, true) -> dict:
+  predicted = [parse_label(c) for c in completions]
+  return {"accuracy": round(float(np.mean([p == t for p, t in zip(predicted, true)])), 4),
+          "macro_f1": round(macro_f1(true, predicted, sorted(LABELS)), 4),
+          "unparseable": round(float(np.mean([p is None for p in predicted])), 4)}
+
+
+def study_domain(out: str, b: dict, quick: bool, seed: int) -> dict:
+  base_cfg, base_dir, _ = train_base(out, b, quick, seed)
+  evals = domain_rows(b["n_eval"], seed, held_out=True)
+  prompts, true = [r["prompt"] for r in evals], [r["label"] for r in evals]
+  eval_path = write_jsonl(evals, os.path.join(out, "domain", "eval.jsonl"))
+  new_tokens = 2
+  base = domain_scores(greedy(base_dir, b["pretrain_steps"], prompts, new_tokens), true)
+  train_all = domain_rows(max(DOMAIN_SIZES), seed, held_out=False)
+  rows = []
+  for n in DOMAIN_SIZES:
+    train_path = write_jsonl(train_all[:n], os.path.join(out, "domain", f"train_{n}.jsonl"))
+    workdir = os.path.join(out, "domain", f"sft_{n}")
+    train_s = sft(sft_config(base_cfg, train_path, eval_path, base_dir, b["domain_steps"], b), workdir)
+    seen = {r["prompt"].split()[-2] for r in train_all[:n]}  # the keywords the training set shows
+    completions = greedy(workdir, b["domain_steps"], prompts, new_tokens)
+    known = np.array([p.split()[-2] in seen for p in prompts])
+    right = np.array([parse_label(c) == t for c, t in zip(completions, true)])
+    rows.append({"examples": n, **domain_scores(completions, true), "keywords_seen": len(seen),
+                 "eval_with_seen_keyword": round(float(known.mean()), 4),
+                 "accuracy_seen_keyword": round(float(right[known].mean()), 4) if known.any() else None,
+                 "accuracy_unseen_keyword": round(float(right[~known].mean()), 4) if (~known).any() else None,
+                 "train_s": train_s})
+    print(json.dumps(rows[-1]), flush=True)
+  return {"base": base, "eval_prompts": len(prompts), "keywords": sum(map(len, LABELS.values())),
+          "sft_steps": b["domain_steps"], "sft_batch_rows": b["sft_batch"], "sft_lr": b["sft_lr"], "rows": rows}
+
+
+# ---- tables and plots ----
+
+def table(study: str, r: dict) -> str:
+  if study == "noise":
+    lines = ["| wrong SFT answers | accuracy after SFT | answer = carries dropped | final SFT loss |",
+             "| ---: | ---: | ---: | ---: |",
+             f"| base (no SFT) | {r['base_accuracy']:.1%} | {r['base_carries_dropped_share']:.1%} | |"]
+    lines += [f"| {x['wrong_in_sft_set']:.1%} | {x['accuracy']:.1%} | {x['carries_dropped_share']:.1%} | "
+              f"{x['final_sft_loss']:.3f} |" for x in r["rows"]]
+  else:
+    pct = lambda v: "-" if v is None else f"{v:.1%}"
+    lines = ["| SFT examples | keywords seen | accuracy | macro-F1 | unparseable | accuracy, keyword seen | "
+             "accuracy, keyword unseen |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+             f"| base (0) | 0/{r['keywords']} | {r['base']['accuracy']:.1%} | {r['base']['macro_f1']:.3f} | "
+             f"{r['base']['unparseable']:.1%} | - | - |"]
+    lines += [f"| {x['examples']} | {x['keywords_seen']}/{r['keywords']} | {x['accuracy']:.1%} | {x['macro_f1']:.3f} | "
+              f"{x['unparseable']:.1%} | {pct(x['accuracy_seen_keyword'])} "
+              f"({x['eval_with_seen_keyword']:.0%} of eval) | "
+              f"{pct(x['accuracy_unseen_keyword'])} |" for x in r["rows"]]
+  return "\n".join(lines) + "\n"
+
+
+def plot(study: str, r: dict, path: str) -> None:
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(5.5, 3.8))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  if study == "noise":
+    x = [100 * row["sft_noise"] for row in r["rows"]]
+    ax.plot(x, [100 * row["accuracy"] for row in r["rows"]], "o-", label="after SFT")
+    ax.axhline(100 * r["base_accuracy"], color="gray", ls="--", label="base (no SFT)")
+    ax.set(xlabel="wrong answers in the SFT set (%)", ylabel="held-out greedy accuracy (%)", xticks=x,
+           title=f"SFT on {r['sft_examples']} addition problems, {r['sft_steps']} steps")
+  else:
+    x = [row["examples"] for row in r["rows"]]
+    ax.plot(x, [100 * row["accuracy"] for row in r["rows"]], "o-", label="accuracy (%)")
+    ax.plot(x, [100 * row["macro_f1"] for row in r["rows"]], "s-", label="macro-F1 (x100)")
+    ax.axhline(100 * r["base"]["accuracy"], color="gray", ls="--", label="base accuracy")
+    ax.axhline(25, color="gray", ls=":", label="chance (4 labels)")
+    ax.set(xscale="log", xticks=x, xticklabels=[str(v) for v in x], xlabel="labeled SFT examples",
+           ylabel="held-out score", title=f"ticket classification, SFT {r['sft_steps']} steps")
+  ax.set_ylim(-2, 102)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--study", choices=("noise", "domain", "all"), default="all")
+  p.add_argument("--out", default=os.path.join(ROOT, "runs", "posttrain", "studies"), help="data and workdirs")
+  p.add_argument("--quick", action="store_true", help="a tiny budget (the tests'); results go under --out")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no_cache", action="store_true", help="no persistent compilation cache under --out")
+  a = p.parse_args(argv)
+  import jax
+  if not a.no_cache:  # the SFT arms compile the same programs: compile each once
+    jax.config.update("jax_compilation_cache_dir", os.path.join(a.out, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  machine = (f"{datetime.date.today()}, jax {jax.__version__}, python {platform.python_version()}, "
+             f"{jax.devices()[0].platform} x {jax.device_count()}, {os.cpu_count()} cores")
+  budget = QUICK if a.quick else FULL
+  results = {}
+  for study in (("noise", "domain") if a.study == "all" else (a.study,)):
+    t0 = time.time()
+    r = (study_noise if study == "noise" else study_domain)(a.out, budget, a.quick, a.seed)
+    command = f"python experiments/posttrain/run.py --study {study}" + (" --quick" if a.quick else "")
+    r = {"study": study, "machine": machine, "command": command, "wall_s": round(time.time() - t0, 1),
+         "base_pretrain_steps": budget["pretrain_steps"], **r}
+    dest = os.path.join(a.out, study) if a.quick else os.path.join(HERE, study)
+    os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(dest, "results.json"), "w") as f:
+      json.dump(r, f, indent=1)
+    with open(os.path.join(dest, "table.md"), "w") as f:
+      f.write(f"{machine}\n\n`{command}`\n\n{table(study, r)}")
+    plot(study, r, os.path.join(dest, f"{study}.png"))
+    print(table(study, r), flush=True)
+    results[study] = r
+  return results
+
+
+if __name__ == "__main__":
+  main()
