@@ -112,7 +112,7 @@ def answer_stats(completions, prompts, answers) -> dict:
   """Exact-match accuracy, and the share of the problems with a carry answered with the carries dropped
   (the noise's most common wrong answer, exact.wrong_answer)."""
   right = [exact.parse_completion(c) == a for c, a in zip(completions, answers)]
-  dropped = [exact._without_carries(*exact.parse_prompt(p))[::-1] for p in prompts]
+  dropped = [exact.without_carries(*exact.parse_prompt(p))[::-1] for p in prompts]
   as_dropped = [exact.parse_completion(c) == d for c, d, a in zip(completions, dropped, answers) if d != a]
   return {"accuracy": round(float(np.mean(right)), 4), "carries_dropped_share": round(float(np.mean(as_dropped)), 4),
           "eval_with_carry": len(as_dropped)}

@@ -79,7 +79,7 @@ def wrong_answer(a: int, b: int, rng: np.random.Generator, reverse: bool = True)
   """A plausible wrong answer, never the right one: half the time (when the sum has a carry) the
   carries dropped (digit-wise sums mod 10), otherwise one digit moved by one (no leading zero)."""
   right = str(a + b)
-  dropped = _without_carries(a, b)
+  dropped = without_carries(a, b)
   if dropped != right and rng.random() < 0.5:
     wrong = dropped
   else:
@@ -92,7 +92,7 @@ def wrong_answer(a: int, b: int, rng: np.random.Generator, reverse: bool = True)
   return wrong[::-1] if reverse else wrong
 
 
-def _without_carries(a: int, b: int) -> str:
+def without_carries(a: int, b: int) -> str:
   width = max(len(str(a)), len(str(b)))
   xs, ys = str(a).zfill(width), str(b).zfill(width)
   digits = "".join(str((int(x) + int(y)) % 10) for x, y in zip(xs, ys))
