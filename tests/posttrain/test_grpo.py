@@ -13,7 +13,9 @@ import pytest
 
 import jaxtrain
 from jaxtrain import config as config_lib, config_files, metrics, parallel
+from jaxtrain.data.tokenizers import Bytes
 from jaxtrain.posttrain import Grpo
+from jaxtrain.posttrain.grpo import PromptBatches, Prompts
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.task import Task
 
@@ -36,8 +38,8 @@ def rl_config(task="grpo", **posttrain):
 
 def response_logp_np(model, params, batch, width, temperature):
   """log softmax(logits / T) at the response tokens, float64, from one forward of the whole rows."""
-  logits = np.asarray(model.apply({"params": params}, batch["tokens"][:, :-1], batch["positions"][:, :-1],
-                                  batch["segment_ids"][:, :-1]), np.float64)[:, width - 1:] / temperature
+  logits = np.asarray(jax.jit(model.apply)({"params": params}, batch["tokens"][:, :-1], batch["positions"][:, :-1],
+                                           batch["segment_ids"][:, :-1]), np.float64)[:, width - 1:] / temperature
   top = logits.max(-1, keepdims=True)
   logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
   return np.take_along_axis(logp, batch["tokens"][:, width:, None], axis=-1)[..., 0], logp
@@ -54,7 +56,7 @@ def fixed_batch(rng, n, width, new, vocab=256):
 def test_grpo_loss_equals_the_formula(tmp_path):
   cfg = rl_config(temperature=0.7, clip_eps=0.2, kl_coef=0.3)
   task = Grpo(cfg, str(tmp_path))
-  params = nn.unbox(task.init(jax.random.key(0))[0])
+  params = nn.unbox(jax.jit(task.init)(jax.random.key(0))[0])
   width, new, n = task.width, cfg.posttrain.max_new_tokens, 8
   rng = np.random.default_rng(0)
   batch = fixed_batch(rng, n, width, new)
@@ -94,11 +96,12 @@ def test_make_batch_default_leaves_the_fed_batch():
   assert Task().make_batch({}, {}, {}, batch, 7) is batch
 
 
-def batch_maker(cfg, workdir, task):
+def batch_maker(cfg, workdir, task, tweak=None):
   """`make(step) -> (batch, the policy's log-probs of its response tokens)` (host numpy), as the loop builds
-  a step's batch from the fresh state."""
+  a step's batch from the fresh state (`tweak(state) -> state` changes it first); `make.state`."""
   mesh, task, tx, _ = loop.build(cfg, workdir, task=task)
   state, _ = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
+  state = state if tweak is None else tweak(state)
   feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
   task.prepare(False)
   logps = jax.jit(lambda p, b: task.token_logps(task.response_logits(task.decoder(p), b), b))
@@ -110,6 +113,7 @@ def batch_maker(cfg, workdir, task):
       logp = logps(state.params, batch)
     return {k: np.asarray(v) for k, v in batch.items()}, np.asarray(logp)
 
+  make.state = state
   return make
 
 
@@ -120,10 +124,19 @@ def test_make_batch_rollouts_rewards_and_group_advantages(tmp_path):
     seen.append((list(prompts), list(completions), list(answer)))
     return [float(len(c)) for c in completions]
 
+  def broken(prompts, completions, **_):
+    raise RuntimeError("a bug in a reward function")
+
+  def nan_on_first(prompts, completions, **_):
+    return [float("nan")] + [0.0] * (len(completions) - 1)
+
   cfg = rl_config(temperature=1.0, kl_coef=0.1)
   cfg.mesh.update(data=2, fsdp=4)
-  make = batch_maker(cfg, str(tmp_path), Grpo(cfg, str(tmp_path), rewards=[(digits, 2.0)]))
+  make = batch_maker(cfg, str(tmp_path), Grpo(cfg, str(tmp_path), rewards=[(digits, 2.0), broken, nan_on_first]))
   batch, logp = make(0)
+  # faulty reward functions are counted (on row 0, summed by the loss) and give 0, never fatal
+  assert batch["faults_raised"].sum() == 16 and batch["faults_by_broken"].sum() == 16
+  assert batch["faults_non_finite"].sum() == 1 and batch["faults_by_nan_on_first"].sum() == 1
   n = cfg.train.batch_size * 2
   assert batch["tokens"].shape == (n, cfg.train.seq_len) and batch["mask"].shape == (n, 4)
   mask = batch["mask"]
@@ -142,6 +155,24 @@ def test_make_batch_rollouts_rewards_and_group_advantages(tmp_path):
   assert not np.array_equal(make(1)[0]["tokens"], batch["tokens"])
 
 
+def test_prompts_skipped_and_counted(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text('{"prompt": "1+2=", "answer": "3", "id": 1}\n{"prompt": "' + "1" * 9 + '+1="}\nnot json\n'
+                  '{"question": "1+1="}\n{"prompt": "12+1=", "answer": "31"}\n')
+  prompts = Prompts(str(path), Bytes(), 8, "prompt")
+  assert prompts.counts == {"examples": 2, "prompt_too_long": 1, "missing_field": 1, "bad_json": 1, "unencodable": 0}
+  assert prompts.texts == ["1+2=", "12+1="] and prompts.field_names == ["answer"]  # fields every row has
+  np.testing.assert_array_equal(prompts.ids_RP[0], [0, 0, 0, 256, *b"1+2="])  # BOS + prompt, left-padded
+  batches = PromptBatches(prompts, 4, 0, 0, 4)
+  first = next(batches)
+  state = batches.get_state()
+  second = next(batches)
+  assert sorted(first["row"][:2]) == [0, 1] and sorted(first["row"][2:]) == [0, 1]  # epochs of 2 rows
+  batches.set_state(state)
+  np.testing.assert_array_equal(next(batches)["row"], second["row"])
+
+
+@pytest.mark.slow  # a run through the loop with its checkpoints
 def test_train_with_custom_and_faulty_rewards_and_skipped_prompts(tmp_path):
   calls = []
 
@@ -180,6 +211,7 @@ def run_rl_config(name: str, workdir: str, steps: int = 2) -> tuple[dict, list]:
   return final, [r for r in metrics.read_metrics(workdir) if "loss" in r]
 
 
+@pytest.mark.slow  # the tiny config's model compiles for a while
 def test_grpo_tiny_config_trains(tmp_path):
   final, rows = run_rl_config("grpo_tiny", str(tmp_path))
   assert len(rows) == 2 and RL_KEYS <= set(final) and np.isfinite(final["loss"])
