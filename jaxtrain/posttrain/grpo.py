@@ -161,18 +161,20 @@ class RlTask(Task):
       raise config_lib.ConfigError("no reward: set posttrain.rewards or posttrain.reward_model")
     self.reward_fns = spec  # (name or callable, weight) pairs, as rewards.evaluate takes them
     self.labels = _unique([label for label, _, _ in rewards_lib.resolve(spec)])  # evaluate's labels
-    self.tokenizer = data_lib.make_tokenizer(cfg, workdir)
-    self._prompts = None
-    sampling = dict(max_new_tokens=self.p.max_new_tokens, temperature=float(self.p.temperature),
-                    top_k=int(self.p.top_k), top_p=float(self.p.top_p), stop_tokens=(int(self.tokenizer.eos),),
-                    pad_id=0)
-    self._rollout = jax.jit(functools.partial(self._sample, **sampling))
+    self._prompts = self._tokenizer = self._rollout = None
     self._prepare = jax.jit(self.prepare_arrays)
 
   def _group_size(self) -> int:
     return int(self.p.group_size)
 
   # ---- data ----
+
+  @property
+  def tokenizer(self):
+    """The run's tokenizer (read when first needed: building the task touches no files)."""
+    if self._tokenizer is None:
+      self._tokenizer = data_lib.make_tokenizer(self.cfg, self.workdir)
+    return self._tokenizer
 
   @property
   def prompts(self) -> Prompts:
@@ -240,6 +242,11 @@ class RlTask(Task):
 
   def make_batch(self, params, extra, task_state, batch, step):
     prompts_BP, lens_B = batch["prompts"], batch["prompt_lens"]
+    if self._rollout is None:
+      p = self.p
+      self._rollout = jax.jit(functools.partial(
+          self._sample, max_new_tokens=p.max_new_tokens, temperature=float(p.temperature), top_k=int(p.top_k),
+          top_p=float(p.top_p), stop_tokens=(int(self.tokenizer.eos),), pad_id=0))
     out = self._rollout(params, prompts_BP, lens_B, self.rollout_key(step))
     tokens_NT, mask_NT = np.asarray(jax.device_get(out.tokens_BN)), np.asarray(jax.device_get(out.mask_BN))
     rows_N = np.repeat(np.asarray(jax.device_get(batch["row"])), self.group_size)
