@@ -14,7 +14,7 @@ import pytest
 import jaxtrain
 from jaxtrain import config as config_lib, config_files, metrics, parallel
 from jaxtrain.data.tokenizers import Bytes
-from jaxtrain.posttrain import Grpo
+from jaxtrain.posttrain import TASKS, Grpo
 from jaxtrain.posttrain.grpo import PromptBatches, Prompts
 from jaxtrain.train import loop, state as state_lib
 from jaxtrain.train.task import Task
@@ -176,9 +176,9 @@ def test_prompts_skipped_and_counted(tmp_path):
 def test_train_with_custom_and_faulty_rewards_and_skipped_prompts(tmp_path):
   calls = []
 
-  def longer(prompts, completions, **_):
+  def digits(prompts, completions, **_):  # the share of digits in the response: learnable from scratch
     calls.append(len(completions))
-    return [len(c) / 4 for c in completions]
+    return [sum(ch.isdigit() for ch in c) / 4 for c in completions]
 
   def broken(prompts, completions, **_):
     raise RuntimeError("a bug in a reward function")
@@ -192,23 +192,30 @@ def test_train_with_custom_and_faulty_rewards_and_skipped_prompts(tmp_path):
                                     '{"question": "1+1="}']) + "\n")
   cfg = rl_config(train_path=str(path), rewards="")
   cfg.optim.update(lr=3e-3, warmup_steps=1, schedule="constant")
-  task = Grpo(cfg, str(tmp_path / "run"), rewards=[longer, broken, (nan_on_first, 1.0), ("exact_match", 0.5)])
+  task = Grpo(cfg, str(tmp_path / "run"), rewards=[digits, broken, (nan_on_first, 1.0), ("exact_match", 0.5)])
   final = jaxtrain.train(cfg, str(tmp_path / "run"), task=task, progress=False, sync_every_step=True)
   rows = [r for r in metrics.read_metrics(str(tmp_path / "run")) if "loss" in r]
-  assert len(rows) == 3 and calls == [16, 16, 16]
+  assert len(rows) == 3 and calls == [16] * 3
   assert RL_KEYS <= set(rows[0]) and all(np.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-  assert all(r["reward_faults_raised"] == 16 and r["reward_faults_broken"] == 16 for r in rows)
+  assert all(r["reward_faults_raised"] == 16 and r["reward_faults_broken"] == 16 for r in rows)  # counted, not fatal
   assert all(r["reward_faults_non_finite"] == 1 and r["reward_faults_nan_on_first"] == 1 for r in rows)
   assert final["train_examples"] == 30 and final["prompts_too_long"] == 1 and final["train_skipped"] == 3
 
 
-def run_rl_config(name: str, workdir: str, steps: int = 2) -> tuple[dict, list]:
-  """configs/NAME.py for a few steps on its own generated prompts (as `python -m jaxtrain train` runs it)."""
+def run_rl_config(name: str, workdir: str, steps: int = 2, rewards=None, **overrides) -> tuple[dict, list]:
+  """configs/NAME.py for a few steps on its own generated prompts (as `python -m jaxtrain train` runs it;
+  `rewards`: reward functions passed to the task from Python instead)."""
   cfg = config_files.apply_overrides(config_files.load_config_file(os.path.join(ROOT, "configs", f"{name}.py")), {
       "train.steps": str(steps), "train.log_every": "1", "optim.warmup_steps": "1",
-      "posttrain.synthetic_examples": "100"})
-  final = jaxtrain.train(cfg, workdir, progress=False, sync_every_step=True)
+      "posttrain.synthetic_examples": "100", **overrides})
+  task = None if rewards is None else TASKS[cfg.train.task](cfg, workdir, rewards=rewards)
+  final = jaxtrain.train(cfg, workdir, task=task, progress=False, sync_every_step=True)
   return final, [r for r in metrics.read_metrics(workdir) if "loss" in r]
+
+
+def digit_share(prompts, completions, **_):
+  """The share of digits among a response's 8 tokens: learnable from a random init."""
+  return [sum(ch.isdigit() for ch in c) / 8 for c in completions]
 
 
 @pytest.mark.slow  # the tiny config's model compiles for a while
@@ -217,6 +224,14 @@ def test_grpo_tiny_config_trains(tmp_path):
   assert len(rows) == 2 and RL_KEYS <= set(final) and np.isfinite(final["loss"])
   assert rows[0]["kl"] == 0.0  # policy == reference at the first step
   assert os.path.isfile(os.path.join(str(tmp_path), "posttrain_data", "rl.jsonl"))
+
+
+@pytest.mark.slow  # 40 steps
+def test_grpo_tiny_raises_a_custom_reward(tmp_path):
+  _, rows = run_rl_config("grpo_tiny", str(tmp_path), steps=40, rewards=[digit_share],
+                          **{"optim.lr": "3e-3", "train.log_every": "5"})
+  reward = [r["reward_mean"] for r in rows]
+  assert reward[-1] > reward[0] + 0.3, reward  # 0.05 -> 0.87 measured
 
 
 def test_rl_config_is_checked():
