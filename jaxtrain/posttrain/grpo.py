@@ -27,14 +27,22 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain import config as config_lib, metrics as metrics_lib, parallel
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
-from jaxtrain.posttrain import data as data_lib, exact, rewards as rewards_lib, rl, rollout as rollout_lib
+from jaxtrain.posttrain import data as data_lib, rl, rollout as rollout_lib
 from jaxtrain.train.task import Task
 
 RL_FILE = "rl.jsonl"  # the generated prompts, in WORKDIR/posttrain_data
 _KEY_TAG = 0x5EED  # rollout keys: fold_in(fold_in(key(seed), _KEY_TAG), step)
+
+
+def _rewards():
+  """posttrain/rewards.py, imported when a task is built: importing it (and exact.py) with the package would
+  make `python -m jaxtrain.posttrain.exact` warn that the module was already imported."""
+  from jaxtrain.posttrain import rewards
+  return rewards
 
 
 def parse_rewards(spec: str) -> list[tuple[str, float]]:
@@ -148,20 +156,30 @@ class RlTask(Task):
         m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, t.seq_len,
         mlp_params=active_mlp_params(m))
     spec = parse_rewards(self.p.rewards) if rewards is None else rewards
-    spec = [s if rewards_lib._is_pair(s) else (s, 1.0) for s in _as_list(spec)]
+    spec = [s if _rewards()._is_pair(s) else (s, 1.0) for s in _as_list(spec)]
     if self.p.reward_model:
       from jaxtrain.posttrain.reward import load_reward_model
       rm = load_reward_model(self.p.reward_model)
 
       def reward_model(prompts, completions, **_):
-        return rm.texts(prompts, completions)
+        """The reward model's score of BOS + prompt + completion + EOS (its tokenizer; an empty completion
+        too), with its params replicated on the training mesh, which the loop has in context."""
+        if self._mesh is not None and getattr(rm.params["embed"].sharding, "mesh", None) != self._mesh:
+          rm.params = jax.device_put(rm.params, NamedSharding(self._mesh, PartitionSpec()))
+        tok, limit = rm.tokenizer, rm.model.cfg.max_seq_len
+        ids = [([tok.bos] + [int(i) for i in tok.encode(p)] + [int(i) for i in tok.encode(c)])[:limit - 1] + [tok.eos]
+               for p, c in zip(prompts, completions)]
+        tokens_NL = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
+        for row, x in enumerate(ids):
+          tokens_NL[row, :len(x)] = x
+        return rm(tokens_NL, [len(x) for x in ids])
 
       spec.append((reward_model, float(self.p.reward_model_weight)))
     if not spec:
       raise config_lib.ConfigError("no reward: set posttrain.rewards or posttrain.reward_model")
     self.reward_fns = spec  # (name or callable, weight) pairs, as rewards.evaluate takes them
-    self.labels = _unique([label for label, _, _ in rewards_lib.resolve(spec)])  # evaluate's labels
-    self._prompts = self._tokenizer = self._rollout = None
+    self.labels = _unique([label for label, _, _ in _rewards().resolve(spec)])  # evaluate's labels
+    self._prompts = self._tokenizer = self._rollout = self._mesh = None
     self._prepare = jax.jit(self.prepare_arrays)
 
   def _group_size(self) -> int:
@@ -188,6 +206,7 @@ class RlTask(Task):
     problems, none held out)."""
     path = os.path.join(self.workdir, data_lib.SYNTHETIC_DIR, RL_FILE)
     if not os.path.isfile(path):
+      from jaxtrain.posttrain import exact
       rows = exact.make_sets(0, int(self.p.synthetic_examples), 0, 0, 0.0, int(self.cfg.train.seed))["sft"]
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -242,6 +261,7 @@ class RlTask(Task):
 
   def make_batch(self, params, extra, task_state, batch, step):
     prompts_BP, lens_B = batch["prompts"], batch["prompt_lens"]
+    self._mesh = prompts_BP.sharding.mesh
     if self._rollout is None:
       p = self.p
       self._rollout = jax.jit(functools.partial(
@@ -254,11 +274,11 @@ class RlTask(Task):
     completions = [self.tokenizer.decode([int(i) for i in row[m > 0] if i != eos]) for row, m in zip(tokens_NT, mask_NT)]
     texts = [self.prompts.texts[r] for r in rows_N]
     fields = {k: [self.prompts.fields[r][k] for r in rows_N] for k in self.prompts.field_names}
-    reward_N, counts = rewards_lib.evaluate(self.reward_fns, texts, completions, **fields)
+    reward_N, counts = _rewards().evaluate(self.reward_fns, texts, completions, **fields)
     host = {"reward": np.asarray(reward_N, np.float32)}
     if "answer" in fields:  # the task's accuracy: exact answers
-      host["correct"] = np.asarray(rewards_lib.exact_match(texts, completions, answer=fields["answer"]), np.float32)
-    for kind in rewards_lib.FAULTS:  # counts on row 0: summed over rows by the loss
+      host["correct"] = np.asarray(_rewards().exact_match(texts, completions, answer=fields["answer"]), np.float32)
+    for kind in _rewards().FAULTS:  # counts on row 0: summed over rows by the loss
       host[f"faults_{kind}"] = _on_row0(counts["total"][kind], len(reward_N))
     for label in self.labels:
       host[f"faults_by_{label}"] = _on_row0(sum(counts.get(label, {}).values()), len(reward_N))
@@ -344,7 +364,7 @@ def _as_list(spec) -> list:
   """A rewards spec as a list of items (names, callables, pairs); a dict as its (name, weight) items."""
   if hasattr(spec, "items"):
     return list(spec.items())
-  if isinstance(spec, (list, tuple)) and not rewards_lib._is_pair(spec):
+  if isinstance(spec, (list, tuple)) and not _rewards()._is_pair(spec):
     return list(spec)
   return [spec]
 
