@@ -218,20 +218,39 @@ def digit_share(prompts, completions, **_):
   return [sum(ch.isdigit() for ch in c) / 8 for c in completions]
 
 
-@pytest.mark.slow  # the tiny config's model compiles for a while
-def test_grpo_tiny_config_trains(tmp_path):
-  final, rows = run_rl_config("grpo_tiny", str(tmp_path))
-  assert len(rows) == 2 and RL_KEYS <= set(final) and np.isfinite(final["loss"])
-  assert rows[0]["kl"] == 0.0  # policy == reference at the first step
+@pytest.mark.slow  # the tiny config's model compiles for a while; 40 steps
+def test_grpo_tiny_config_raises_a_custom_reward(tmp_path):
+  final, rows = run_rl_config("grpo_tiny", str(tmp_path), steps=40, rewards=[digit_share],
+                              **{"optim.lr": "3e-3", "train.log_every": "5"})
+  assert RL_KEYS <= set(final) and np.isfinite(final["loss"]) and rows[0]["kl"] == 0.0  # policy == reference
   assert os.path.isfile(os.path.join(str(tmp_path), "posttrain_data", "rl.jsonl"))
-
-
-@pytest.mark.slow  # 40 steps
-def test_grpo_tiny_raises_a_custom_reward(tmp_path):
-  _, rows = run_rl_config("grpo_tiny", str(tmp_path), steps=40, rewards=[digit_share],
-                          **{"optim.lr": "3e-3", "train.log_every": "5"})
   reward = [r["reward_mean"] for r in rows]
   assert reward[-1] > reward[0] + 0.3, reward  # 0.05 -> 0.87 measured
+
+
+@pytest.mark.slow  # trains a reward model first
+def test_reward_model_scores_the_rollouts(tmp_path):
+  from jaxtrain.posttrain import exact, load_reward_model
+  paths = exact.write_dataset(str(tmp_path / "data"), 0, 0, 64, 0, 0.0, 0)
+  rm_cfg = rl_config()
+  rm_cfg.train.update(task="rm", steps=2)
+  rm_cfg.posttrain.train_path = paths["pairs"]
+  jaxtrain.train(rm_cfg, str(tmp_path / "rm"), progress=False, sync_every_step=True)
+  seen = []
+
+  def record(prompts, completions, **_):
+    seen.append((list(prompts), list(completions)))
+    return [0.0] * len(prompts)
+
+  cfg = rl_config(reward_model=str(tmp_path / "rm"), reward_model_weight=2.0)
+  batch, _ = batch_maker(cfg, str(tmp_path / "grpo"), Grpo(cfg, str(tmp_path / "grpo"), rewards=[record]))(0)
+  (prompts, completions), = seen
+  rm = load_reward_model(str(tmp_path / "rm"))
+  fits = lambda p, c: 2 + len(p.encode()) + len(c.encode()) <= 16  # rm.texts cuts longer ones before their EOS
+  scores = [float(rm.texts([p], [c])[0]) if c.strip() and fits(p, c) else None for p, c in zip(prompts, completions)]
+  got = [r for r, s in zip(batch["reward"], scores) if s is not None]
+  assert len(got) > 4 and batch["faults_raised"].sum() == 0
+  np.testing.assert_allclose(got, [2 * s for s in scores if s is not None], rtol=1e-4, atol=1e-5)
 
 
 def test_rl_config_is_checked():
