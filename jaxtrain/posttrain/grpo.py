@@ -239,7 +239,8 @@ class RlTask(Task):
   def init(self, rng):
     variables = self.model.init(rng, jnp.zeros((1, self.cfg.train.seq_len), jnp.int32))
     if set(variables) != {"params"}:
-      raise config_lib.ConfigError(f"train.task={self.cfg.train.task!r} runs dense decoders (model.n_experts=0) for now")
+      raise config_lib.ConfigError(f"train.task={self.cfg.train.task!r} runs dense decoders (model.n_experts=0) "
+                                   "for now")
     params = variables["params"]
     return params, {}, ({"reference": params} if self.p.kl_coef > 0 else {})
 
@@ -271,7 +272,8 @@ class RlTask(Task):
     tokens_NT, mask_NT = np.asarray(jax.device_get(out.tokens_BN)), np.asarray(jax.device_get(out.mask_BN))
     rows_N = np.repeat(np.asarray(jax.device_get(batch["row"])), self.group_size)
     eos = int(self.tokenizer.eos)
-    completions = [self.tokenizer.decode([int(i) for i in row[m > 0] if i != eos]) for row, m in zip(tokens_NT, mask_NT)]
+    completions = [self.tokenizer.decode([int(i) for i in row[m > 0] if i != eos])
+                   for row, m in zip(tokens_NT, mask_NT)]
     texts = [self.prompts.texts[r] for r in rows_N]
     fields = {k: [self.prompts.fields[r][k] for r in rows_N] for k in self.prompts.field_names}
     reward_N, counts = _rewards().evaluate(self.reward_fns, texts, completions, **fields)

@@ -172,36 +172,6 @@ def test_prompts_skipped_and_counted(tmp_path):
   np.testing.assert_array_equal(next(batches)["row"], second["row"])
 
 
-@pytest.mark.slow  # a run through the loop with its checkpoints
-def test_train_with_custom_and_faulty_rewards_and_skipped_prompts(tmp_path):
-  calls = []
-
-  def digits(prompts, completions, **_):  # the share of digits in the response: learnable from scratch
-    calls.append(len(completions))
-    return [sum(ch.isdigit() for ch in c) / 4 for c in completions]
-
-  def broken(prompts, completions, **_):
-    raise RuntimeError("a bug in a reward function")
-
-  def nan_on_first(prompts, completions, **_):
-    return [float("nan")] + [0.0] * (len(completions) - 1)
-
-  path = tmp_path / "prompts.jsonl"
-  rows = [f'{{"prompt": "{a}+{a}=", "answer": "{str(2 * a)[::-1]}"}}' for a in range(10, 40)]
-  path.write_text("\n".join(rows + ['{"prompt": "' + "1" * 40 + '+1=", "answer": "2"}', "not json",
-                                    '{"question": "1+1="}']) + "\n")
-  cfg = rl_config(train_path=str(path), rewards="")
-  cfg.optim.update(lr=3e-3, warmup_steps=1, schedule="constant")
-  task = Grpo(cfg, str(tmp_path / "run"), rewards=[digits, broken, (nan_on_first, 1.0), ("exact_match", 0.5)])
-  final = jaxtrain.train(cfg, str(tmp_path / "run"), task=task, progress=False, sync_every_step=True)
-  rows = [r for r in metrics.read_metrics(str(tmp_path / "run")) if "loss" in r]
-  assert len(rows) == 3 and calls == [16] * 3
-  assert RL_KEYS <= set(rows[0]) and all(np.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-  assert all(r["reward_faults_raised"] == 16 and r["reward_faults_broken"] == 16 for r in rows)  # counted, not fatal
-  assert all(r["reward_faults_non_finite"] == 1 and r["reward_faults_nan_on_first"] == 1 for r in rows)
-  assert final["train_examples"] == 30 and final["prompts_too_long"] == 1 and final["train_skipped"] == 3
-
-
 def run_rl_config(name: str, workdir: str, steps: int = 2, rewards=None, **overrides) -> tuple[dict, list]:
   """configs/NAME.py for a few steps on its own generated prompts (as `python -m jaxtrain train` runs it;
   `rewards`: reward functions passed to the task from Python instead)."""
@@ -218,11 +188,23 @@ def digit_share(prompts, completions, **_):
   return [sum(ch.isdigit() for ch in c) / 8 for c in completions]
 
 
+def broken(prompts, completions, **_):
+  raise RuntimeError("a bug in a reward function")
+
+
+def nan_on_first(prompts, completions, **_):
+  return [float("nan")] + [0.0] * (len(completions) - 1)
+
+
 @pytest.mark.slow  # the tiny config's model compiles for a while; 40 steps
-def test_grpo_tiny_config_raises_a_custom_reward(tmp_path):
-  final, rows = run_rl_config("grpo_tiny", str(tmp_path), steps=40, rewards=[digit_share],
+def test_grpo_tiny_config_raises_a_custom_reward_despite_faulty_ones(tmp_path):
+  final, rows = run_rl_config("grpo_tiny", str(tmp_path), steps=40, rewards=[digit_share, broken, (nan_on_first, 1.0)],
                               **{"optim.lr": "3e-3", "train.log_every": "5"})
-  assert RL_KEYS <= set(final) and np.isfinite(final["loss"]) and rows[0]["kl"] == 0.0  # policy == reference
+  assert RL_KEYS <= set(final) and rows[0]["kl"] == 0.0  # policy == reference at the first step
+  assert all(np.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+  samples = 8 * 4  # prompts x group_size of the config
+  assert all(r["reward_faults_raised"] == samples and r["reward_faults_broken"] == samples for r in rows)  # not fatal
+  assert all(r["reward_faults_non_finite"] == 1 and r["reward_faults_nan_on_first"] == 1 for r in rows)
   assert os.path.isfile(os.path.join(str(tmp_path), "posttrain_data", "rl.jsonl"))
   reward = [r["reward_mean"] for r in rows]
   assert reward[-1] > reward[0] + 0.3, reward  # 0.05 -> 0.87 measured

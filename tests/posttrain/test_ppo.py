@@ -32,7 +32,8 @@ def test_ppo_loss_equals_the_formulas(tmp_path):
   logp, logp_v = response_logp_np(task.model, {k: v for k, v in params.items() if k != HEAD}, batch, width, 0.8)
   values = values_np(task.model, params, batch, width)
   noise = lambda: rng.normal(0, 0.3, logp.shape)
-  batch.update(logp_old=((logp + noise()) * mask).astype(np.float32), logp_ref=((logp + noise()) * mask).astype(np.float32),
+  batch.update(logp_old=((logp + noise()) * mask).astype(np.float32),
+               logp_ref=((logp + noise()) * mask).astype(np.float32),
                advantages=(rng.normal(size=logp.shape) * mask).astype(np.float32),
                values_old=((values + noise()) * mask).astype(np.float32),
                returns=((values + 3 * noise()) * mask).astype(np.float32), reward=rng.normal(size=n).astype(np.float32))
