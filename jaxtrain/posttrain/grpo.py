@@ -179,8 +179,7 @@ class RlTask(Task):
       raise config_lib.ConfigError("no reward: set posttrain.rewards or posttrain.reward_model")
     self.reward_fns = spec  # (name or callable, weight) pairs, as rewards.evaluate takes them
     self.labels = _unique([label for label, _, _ in _rewards().resolve(spec)])  # evaluate's labels
-    self._prompts = self._tokenizer = self._rollout = self._mesh = None
-    self._prepare = jax.jit(self.prepare_arrays)
+    self._prompts = self._tokenizer = self._rollout = self._prepare = self._mesh = None
 
   def _group_size(self) -> int:
     return int(self.p.group_size)
@@ -263,8 +262,9 @@ class RlTask(Task):
   def make_batch(self, params, extra, task_state, batch, step):
     prompts_BP, lens_B = batch["prompts"], batch["prompt_lens"]
     self._mesh = prompts_BP.sharding.mesh
-    if self._rollout is None:
+    if self._rollout is None:  # jitted once the mesh is known: the batch leaves laid out as a fed one
       p = self.p
+      self._prepare = jax.jit(self.prepare_arrays, out_shardings=parallel.batch_sharding(self._mesh))
       self._rollout = jax.jit(functools.partial(
           self._sample, max_new_tokens=p.max_new_tokens, temperature=float(p.temperature), top_k=int(p.top_k),
           top_p=float(p.top_p), stop_tokens=(int(self.tokenizer.eos),), pad_id=0))
@@ -284,8 +284,7 @@ class RlTask(Task):
       host[f"faults_{kind}"] = _on_row0(counts["total"][kind], len(reward_N))
     for label in self.labels:
       host[f"faults_by_{label}"] = _on_row0(sum(counts.get(label, {}).values()), len(reward_N))
-    sharding = parallel.batch_sharding(prompts_BP.sharding.mesh)
-    host = {k: jax.device_put(v, sharding) for k, v in host.items()}
+    host = {k: jax.device_put(v, parallel.batch_sharding(self._mesh)) for k, v in host.items()}
     arrays = self._prepare(params, task_state, prompts_BP, lens_B, out, host["reward"])
     return {**arrays, **host}
 

@@ -251,6 +251,7 @@ def test_rl_config_is_checked():
 @pytest.mark.slow  # three runs
 def test_resume_mid_grpo_is_bitwise(tmp_path):
   cfg = rl_config(temperature=1.0, kl_coef=0.1)
+  cfg.mesh.update(data=2, fsdp=4)  # rollouts and the step on a sharded mesh
   cfg.train.steps = 4
   cfg.checkpoint.update(every_steps=2)
   cfg.optim.update(lr=3e-3, warmup_steps=1)
