@@ -30,7 +30,8 @@ def test_config_builds_and_shards_abstractly(path):
   shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
   abstract = state_lib.abstract_state(task, tx)
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-  head = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params.get("reward_head", {})))  # train.task rm
+  head = sum(int(np.prod(x.shape)) for k in ("reward_head", "value_head")  # train.task rm, ppo
+             for x in jax.tree.leaves(abstract.params.get(k, {})))
   assert n == param_count(model.cfg) + head
   name = os.path.basename(path)[:-3]
   if name in EXPECTED:

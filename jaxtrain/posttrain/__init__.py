@@ -6,11 +6,13 @@ TASKS maps train.task to its task; importing this package puts them into train.t
 (which may not import this layer) finds them."""
 
 from jaxtrain.posttrain.dpo import Dpo
+from jaxtrain.posttrain.grpo import Grpo
+from jaxtrain.posttrain.ppo import Ppo
 from jaxtrain.posttrain.reward import RewardModel, load_reward_model
 from jaxtrain.posttrain.sft import Sft
 from jaxtrain.train import task as _task
 
-TASKS = {"sft": Sft, "rm": RewardModel, "dpo": Dpo}
+TASKS = {"sft": Sft, "rm": RewardModel, "dpo": Dpo, "grpo": Grpo, "ppo": Ppo}
 _task.TASKS.update(TASKS)
 
-__all__ = ["Dpo", "RewardModel", "Sft", "TASKS", "load_reward_model"]
+__all__ = ["Dpo", "Grpo", "Ppo", "RewardModel", "Sft", "TASKS", "load_reward_model"]

@@ -288,7 +288,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     adaptive = any(tier.adaptive for tier in ckpts.tiers)
     step = start
     while step < t.steps:
-      batch = feed.put(next(train_iter))
+      batch = task.make_batch(state.params, state.extra, state.task_state, feed.put(next(train_iter)), step)
       if compiled is None:  # compiled once, here, so that its HLO says what the step sends (comm_bytes)
         compiled = train_fn.lower(state, batch).compile()
         log.constants.update(comm_bytes(compiled.as_text(), mesh))

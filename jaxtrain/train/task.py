@@ -44,6 +44,15 @@ class Task:
     loaded, the task state kept. A frozen reference loads a second copy; a new head keeps its fresh init."""
     return load(params), task_state
 
+  def make_batch(self, params, extra: dict, task_state: dict, batch: dict, step: int) -> dict:
+    """The training batch of `step` from the fed one (global, sharded over the data axes), on the host
+    before the step, with the state's current params (as they are sharded; no copy). RL builds its batch
+    here: rollouts from the prompts, rewards on the decoded text, advantages. It must return arrays laid
+    out as a fed batch (parallel.batch_sharding), the same shapes every step, and be a function of its
+    arguments (and the seed) for exact resume. Default: the fed batch, unchanged."""
+    del params, extra, task_state, step
+    return batch
+
   def prepare(self, progress: bool) -> None:
     """Host-side work before the first batch (tokenizing a corpus); run on every process."""
 
