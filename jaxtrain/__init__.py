@@ -2,7 +2,7 @@
 
 Library API (everything the CLI does):
   cfg = jaxtrain.get_config("configs/tiny.py")       # or configs.tiny.get_config(None)
-  final = jaxtrain.train(cfg, "runs/tiny")            # -> last logged metrics (any train.task: lm, sft, rm, dpo)
+  final = jaxtrain.train(cfg, "runs/tiny")            # -> last logged metrics (train.task: lm, sft, rm, dpo, grpo, ppo)
   text = jaxtrain.sample("runs/tiny", "< 5 6 7 |", max_new_tokens=8, temperature=0, top_k=0)
   cfg, params, apply = jaxtrain.load_pretrained("hf_or_run_dir")   # logits = apply(params, tokens)
   rows = jaxtrain.read_metrics("runs/tiny")           # metrics.jsonl as a list of dicts
@@ -23,7 +23,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "TrainState": ("jaxtrain.train", "TrainState"),
     "Task": ("jaxtrain.train", "Task"),
     "LanguageModel": ("jaxtrain.train", "LanguageModel"),
-    "posttrain": ("jaxtrain.posttrain", None),  # SFT, reward models, DPO: train.task sft, rm, dpo
+    "posttrain": ("jaxtrain.posttrain", None),  # train.task sft, rm, dpo, grpo, ppo
     "load_reward_model": ("jaxtrain.posttrain.reward", "load_reward_model"),
     "load_pretrained": ("jaxtrain.checkpoint.pretrained", "load_pretrained"),
     "read_metrics": ("jaxtrain.metrics", "read_metrics"),
