@@ -14,7 +14,7 @@ def get_config(arg=None):
   del arg
   c = default_config()
   c.model.update(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384,
-                 max_seq_len=SEQ_LEN, scan_layers=False, remat="full")
+                 max_seq_len=SEQ_LEN, scan_layers=False, remat="none")
   c.data.update(symbols=200, max_symbols=12, stop_prob=0.001)
   c.train.update(steps=200, batch_size=1, seq_len=SEQ_LEN, log_every=10, eval_every=100, eval_batches=1)
   c.optim.update(lr=3e-3, warmup_steps=20, schedule="cosine")

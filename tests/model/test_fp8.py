@@ -125,6 +125,7 @@ def test_moe_expert_matmuls_in_fp8(variant):
   assert 1e-3 < rel < 0.15, rel
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_model_params_unchanged_and_output_close():
   c = tiny_config()
   off, on = (Transformer(ModelConfig.from_config({**c.model.to_dict(), "fp8": m})) for m in ("off", "current"))
@@ -136,6 +137,7 @@ def test_model_params_unchanged_and_output_close():
   assert 1e-4 < rel < 0.1, rel
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_tiny_model_fits_a_batch_in_fp8():
   """Plain SGD on one batch through every fp8 matmul and its custom gradient: finite, falling loss."""
   c = tiny_config(model=dict(fp8="current", compute_dtype="bfloat16", n_layers=1))

@@ -35,6 +35,7 @@ def loss_and_grads(mesh_sizes, rules):
   return float(loss), jax.device_get(grads), spec
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_sharded_equals_unsharded():
   ref_loss, ref_grads, _ = loss_and_grads(*MESHES[0])
   for sizes, rules in MESHES[1:]:

@@ -46,6 +46,7 @@ def unboxed(tree):
   return nn.unbox(tree)
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_dpo_ipo_simpo_losses_on_the_models_log_probs(tmp_path):
   for loss in ("dpo", "ipo", "simpo"):
     cfg = dpo_config(loss=loss, beta=0.5, label_smoothing=0.1 if loss == "dpo" else 0.0)
@@ -106,6 +107,7 @@ def test_reference_is_init_from_sharded_like_the_policy_and_frozen(tmp_path):
   assert not np.array_equal(np.asarray(state.params["embed"]), start["embed"])  # the policy moved
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_dpo_tiny_config_trains(tmp_path):
   final, rows = run_config("dpo_tiny", str(tmp_path))
   assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(2)) < 1e-6 and rows[0]["kl"] == 0.0  # policy == reference

@@ -53,6 +53,7 @@ def fixed_batch(rng, n, width, new, vocab=256):
           "segment_ids": np.ones_like(tokens), "mask": mask}
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_grpo_loss_equals_the_formula(tmp_path):
   cfg = rl_config(temperature=0.7, clip_eps=0.2, kl_coef=0.3)
   task = Grpo(cfg, str(tmp_path))
@@ -117,6 +118,7 @@ def batch_maker(cfg, workdir, task, tweak=None):
   return make
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_make_batch_rollouts_rewards_and_group_advantages(tmp_path):
   seen = []
 

@@ -20,6 +20,7 @@ def values_np(model, params, batch, width):
   return hidden[:, width - 1:] @ np.asarray(params[HEAD]["w"], np.float64) + float(params[HEAD]["b"])
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_ppo_loss_equals_the_formulas(tmp_path):
   cfg = rl_config("ppo", temperature=0.8, clip_eps=0.2, value_clip=0.3, value_coef=0.5)
   task = Ppo(cfg, str(tmp_path))
@@ -63,6 +64,7 @@ def gae_loop(rewards, values, length, gamma, lam):
   return adv
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_make_batch_gae_of_kl_penalized_rewards(tmp_path):
   def first_digit(prompts, completions, **_):
     return [float(c[:1].isdigit()) for c in completions]

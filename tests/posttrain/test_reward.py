@@ -1,10 +1,10 @@
 """Reward model: > 90% held-out accuracy on separable preferences (the chosen answer contains a marker
 symbol), and the saved run loads as a reward function that scores like the task."""
 
-import json
 
 import jax
 import numpy as np
+import pytest
 
 import jaxtrain
 from jaxtrain.posttrain import data, reward
@@ -27,6 +27,7 @@ def marker_pairs(n: int, seed: int) -> list[dict]:
   return rows
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_reward_model_separates_marked_answers_and_loads_as_a_reward(tmp_path):
   train_path, eval_path = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
   data.write_jsonl(marker_pairs(400, 0), str(train_path))
@@ -53,6 +54,7 @@ def test_reward_model_separates_marked_answers_and_loads_as_a_reward(tmp_path):
   np.testing.assert_allclose(want[:, 1], rejected[:16], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_rm_tiny_config_trains(tmp_path):
   final, rows = run_config("rm_tiny", str(tmp_path))
   assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(2)) < 0.2 and {"eval_accuracy", "margin"} <= set(final)

@@ -147,6 +147,7 @@ def sharded_run(setup, seed, **kw):
   return jax.device_get(out)
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_sharded_sampled_rollout_equals_unsharded(setup):
   kw = dict(temperature=0.9, top_k=20, stop_tokens=(5,))
   got, want = sharded_run(setup, 2, **kw), run(setup, seed=2, **kw)

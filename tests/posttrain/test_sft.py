@@ -20,6 +20,7 @@ def sft_config(**train):
                      posttrain=dict(synthetic_examples=200))
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_prompt_targets_change_nothing_completion_targets_do(tmp_path):
   cfg = sft_config()
   task = Sft(cfg, str(tmp_path))
@@ -90,6 +91,7 @@ def run_config(name: str, workdir: str, steps: int = 3) -> tuple[dict, list]:
   return final, [r for r in metrics.read_metrics(workdir) if "loss" in r]
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_sft_tiny_config_trains(tmp_path):
   final, rows = run_config("sft_tiny", str(tmp_path))
   assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(64)) < 0.1 and rows[-1]["loss"] < rows[0]["loss"]

@@ -9,7 +9,7 @@ import pytest
 import jaxtrain
 from jaxtrain import __main__ as cli, data, optim, parallel
 from jaxtrain.checkpoint import pretrained
-from jaxtrain.model import ModelConfig, Transformer, generate
+from jaxtrain.model import Transformer, generate
 from jaxtrain.train import workdir as workdir_lib
 from tests.fixtures import tiny_config
 
@@ -42,6 +42,7 @@ def reference(workdir, max_new_tokens):
   return tokenizer.decode(out)
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_sample_reads_params_alone_on_one_device_without_a_word(trained, capfd, monkeypatch):
   """No optimizer is built (its state's shapes are not needed), no mesh either, the config is not
   changed, and nothing is printed (Orbax's read-only warning was printed on every sample)."""

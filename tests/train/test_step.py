@@ -1,6 +1,5 @@
 """Train step: accumulation equals one big batch, non-finite skip, decay mask, schedules, Muon."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ def run_steps(cfg, n, poison=None, wrap=lambda tx: tx):
   return state, history
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_microbatches_equal_one_big_batch():
   s1, h1 = run_steps(tiny_config(mesh=dict(data=1)), 3)
   s4, h4 = run_steps(tiny_config(mesh=dict(data=1), train=dict(microbatches=4)), 3)

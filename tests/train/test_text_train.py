@@ -33,6 +33,7 @@ def text_config(path, **train):
   return cfg
 
 
+@pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_text_kind_trains_resumes_bitwise_and_samples(tmp_path):
   cfg = text_config(corpus(tmp_path))
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
