@@ -77,11 +77,3 @@ class Dpo(DataTask):
                   "chosen_reward": pair_sum(reward_BT[:, 0]), "rejected_reward": pair_sum(reward_BT[:, 1]),
                   # per sequence (mean of chosen and rejected), summed over its completion tokens; 0 for simpo
                   "kl": pair_sum(jnp.mean(kl_BT, axis=-1)), "count": jnp.sum(valid_B)}
-
-  def metrics(self, sums, parts):
-    count = jnp.maximum(sums["count"], 1.0)
-    return {k: v / count for k, v in sums.items() if k != "count"}
-
-  def eval_metrics(self, sums):
-    count = max(sum(float(s["count"]) for s in sums), 1.0)
-    return {f"eval_{k}": sum(float(s[k]) for s in sums) / count for k in sums[0] if k != "count"}

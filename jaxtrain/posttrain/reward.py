@@ -59,14 +59,6 @@ class RewardModel(DataTask):
         "loss": loss, "accuracy": jnp.sum((margin_B > 0) * valid_B), "margin": jnp.sum(margin_B * valid_B),
         "count": jnp.sum(valid_B)}
 
-  def metrics(self, sums, parts):
-    count = jnp.maximum(sums["count"], 1.0)
-    return {k: v / count for k, v in sums.items() if k != "count"}
-
-  def eval_metrics(self, sums):
-    count = max(sum(float(s["count"]) for s in sums), 1.0)
-    return {f"eval_{k}": sum(float(s[k]) for s in sums) / count for k in sums[0] if k != "count"}
-
 
 class RewardFunction:
   """A trained reward model as a function: `rm(tokens_NL, lengths_N) -> scores [N]` (numpy; each row's

@@ -2,7 +2,6 @@
 them, of packed prompt/completion or chat examples (posttrain/data.py); metrics: loss and completion-token
 accuracy, on the train batches and the held-out split. Starts from `checkpoint.init_from` like any run."""
 
-import jax
 import jax.numpy as jnp
 
 from jaxtrain import metrics as metrics_lib
@@ -53,6 +52,16 @@ class DataTask(Task):
 
   def sizes(self):
     return {"params": param_count(self.model.cfg), "active_params": param_count(self.model.cfg, active=True)}
+
+  def metrics(self, sums, parts):
+    """Each sum per unit (a pair), 0 for a batch without one."""
+    count = jnp.maximum(sums["count"], 1.0)
+    return {k: v / count for k, v in sums.items() if k != "count"}
+
+  def eval_metrics(self, sums):
+    """Each sum per unit over the eval batches, as `eval_<name>`."""
+    count = max(sum(float(s["count"]) for s in sums), 1.0)
+    return {f"eval_{k}": sum(float(s[k]) for s in sums) / count for k in sums[0] if k != "count"}
 
 
 class Sft(DataTask):
