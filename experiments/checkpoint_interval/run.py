@@ -37,9 +37,9 @@ if ROOT not in sys.path:  # the repository's jaxtrain, not an installed copy
 
 import numpy as np  # noqa: E402
 
-FULL = {"steps": 300, "mtbf": (25, 50, 100, 200), "seeds": 200, "real": ("fixed_10", "fixed_40", "adaptive_10_200"),
-        "real_mtbf": 75}
-QUICK = {"steps": 24, "mtbf": (8, 16), "seeds": 20, "real": ("fixed_5",), "real_mtbf": 9}
+FULL = {"steps": 300, "mtbf": (25, 50, 100, 200), "seeds": 200, "real": ("fixed_10", "adaptive_10_200"),
+        "real_mtbf": 100}
+QUICK = {"steps": 24, "mtbf": (8, 16), "seeds": 20, "real": ("fixed_5",), "real_mtbf": 20}
 
 
 def load_study_config():
@@ -149,12 +149,39 @@ def newest_checkpoint(workdir: str) -> int:
   return max(steps, default=0)
 
 
+class CountSaves:
+  """Counts the saves the loop starts before the last step (the policy's; the final one is forced). Counted at the
+  call, since a run that dies never writes the rows of the saves still in flight."""
+
+  def __init__(self, last_step: int):
+    from jaxtrain.checkpoint import Checkpoints
+    self.cls, self.save, self.last_step, self.count = Checkpoints, Checkpoints.save, last_step, 0
+
+  def __enter__(self):
+    def save(ckpts, step, *args, **kwargs):
+      if step < self.last_step:
+        self.count += 1
+      return self.save(ckpts, step, *args, **kwargs)
+    self.cls.save = save
+    return self
+
+  def __exit__(self, *exc):
+    self.cls.save = self.save
+
+
 def real_run(cfg, workdir: str, failures: list[int]) -> dict:
   """Trains to the end through the failures (computed-step counts); recomputed steps, saves, restarts, and the
   goodput columns of the last run."""
   import jax
   import jaxtrain
   shutil.rmtree(workdir, ignore_errors=True)
+  with CountSaves(cfg.train.steps) as saves:
+    measured = _fail_and_resume(cfg, workdir, failures, jax.devices()[:1])
+  return {**measured, "saves": saves.count}
+
+
+def _fail_and_resume(cfg, workdir: str, failures: list[int], devices) -> dict:
+  import jaxtrain
   steps, s, computed, recomputed, restarts = cfg.train.steps, 0, 0, 0, 0
   failures = [f for f in failures]
   start = time.perf_counter()
@@ -163,19 +190,15 @@ def real_run(cfg, workdir: str, failures: list[int]) -> dict:
     if at is not None and at >= steps:
       at = None
     try:
-      final = jaxtrain.train(cfg, workdir, task=failing_task(cfg, workdir, at), progress=False,
-                             devices=jax.devices()[:1])
+      final = jaxtrain.train(cfg, workdir, task=failing_task(cfg, workdir, at), progress=False, devices=devices)
       break
     except Failure:
       computed += at - s
       failures.pop(0)
       s = newest_checkpoint(workdir)
       recomputed, restarts = recomputed + at - s, restarts + 1
-  rows = jaxtrain.read_metrics(workdir)
-  saves = [r for r in rows if r.get("event") == "checkpoint_save"]
-  return {"recomputed": recomputed, "saves": len(saves) - 1, "restarts": restarts,  # the final save is not the policy's
-          "goodput_lost_steps": final["lost_steps"], "goodput": final["goodput"], "wall_s": time.perf_counter() - start,
-          "badput_lost_s": final["badput_lost_s"], "badput_checkpoint_s": final["badput_checkpoint_s"],
+  return {"recomputed": recomputed, "restarts": restarts, "goodput_lost_steps": final["lost_steps"],
+          "goodput": final["goodput"], "wall_s": time.perf_counter() - start, "badput_lost_s": final["badput_lost_s"], "badput_checkpoint_s": final["badput_checkpoint_s"],
           "badput_restore_s": final["badput_restore_s"]}
 
 

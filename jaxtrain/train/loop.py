@@ -294,6 +294,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
               lambda s: goodput.row(s, task.tokens_per_batch, t.gpu_hour_price, units))
     gather = readable(mesh, per_replica)
     last, pending, rollbacks, compiled = {}, None, 0, None
+    goodput.charge("init")  # jitting, the peak FLOP/s probe
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
     preemption = stack.enter_context(Preemption())

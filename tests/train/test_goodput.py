@@ -188,3 +188,17 @@ def test_resume_counts_restore_time_and_recomputed_steps(run_a, tmp_path):
   for name in ("init", "compile", "eval"):  # run b adds its own to run a's
     assert end_b[f"badput_{name}_s"] > end_a[f"badput_{name}_s"]
   assert 0 < end_b["goodput_wall_s"] - end_a["goodput_wall_s"] <= outside_b
+
+
+def test_compare_runs_shows_the_final_totals(run_a):
+  from tools.compare_runs import compare
+  workdir, rows, _ = run_a
+  header, (cells,) = compare([workdir])
+  final = rows[-1]
+  assert header[header.index("mfu") + 1:] == ["goodput", "goodput_productive_s", "badput_compile_s",
+                                               "badput_checkpoint_s", "badput_restore_s", "badput_eval_s",
+                                               "badput_lost_s", "lost_steps", "cost_per_mtok"]  # no energy on CPU
+  shown = dict(zip(header, cells))
+  assert shown["goodput"] == f"{final['goodput']:.1%}" and shown["lost_steps"] == "0"
+  assert shown["badput_checkpoint_s"] == f"{final['badput_checkpoint_s']:.2f}"  # the end's, final save included
+  assert shown["cost_per_mtok"] == f"{final['cost_per_mtok']:.4g}"
