@@ -13,8 +13,8 @@ recomputed and saves made.
    the loop, before the step after the failure: no final save) and resume from their newest checkpoint, until done;
    their recomputed steps against the replay's for the same schedule (equal when the replay is right: a resumed run
    is bitwise the uninterrupted one, so the adaptive policy sees the same values).
-Writes results.json, table.md and lost_work.png to --out (default: this folder; --quick: runs/quick beside it).
-One CPU device."""
+Writes results.json, table.md and lost_work.png to --out (default: this folder, where the full study also rewrites
+the table in README.md between its markers; --quick: runs/quick beside it). One CPU device."""
 
 import argparse
 import datetime
@@ -70,8 +70,8 @@ class Fixed:
   def observe(self, *values):
     pass
 
-  def should_save(self, step: int, last: int) -> bool:
-    return step % self.n == 0
+  def should_save(self, step: int, last: int, in_flight: bool = False) -> bool:
+    return step % self.n == 0  # a save in flight does not stop it (the next save waits for it, blocking the loop)
 
   def saved(self, step: int):
     pass
@@ -87,10 +87,10 @@ class Adaptive:
   def observe(self, step: int, loss: float, grad_norm: float, skipped: float):
     self.policy.observe(step, loss, grad_norm, skipped)
 
-  def should_save(self, step: int, last: int) -> bool:
+  def should_save(self, step: int, last: int, in_flight: bool = False) -> bool:
     info = types.SimpleNamespace
     previous = [info(step=last)] if last else []
-    return self.policy.should_save(info(step=step), previous, context=info(is_saving_in_progress=False))
+    return self.policy.should_save(info(step=step), previous, context=info(is_saving_in_progress=in_flight))
 
   def saved(self, step: int):
     self.policy.saved(step)
@@ -101,10 +101,11 @@ def make_policy(cfg):
   return Adaptive(k.adaptive_min_steps, k.adaptive_max_steps, k.adaptive_spike) if k.adaptive else Fixed(k.every_steps)
 
 
-def replay(trace: dict, new_policy, failures: list[int], steps: int) -> dict:
+def replay(trace: dict, new_policy, failures: list[int], steps: int, busy: int = 0) -> dict:
   """The loop's order (train/loop.py): step s+1 runs, step s's values reach the policy, a due save of s+1 is made
-  (never at the last step: the final save is forced); a failure strikes after that, before the next step."""
-  policy, s, last, computed, pending = new_policy(), 0, 0, 0, None
+  (never at the last step: the final save is forced); a failure strikes after that, before the next step. A save
+  stays in flight for `busy` steps (the adaptive policy waits for it; a new process has none in flight)."""
+  policy, s, last, computed, pending, started = new_policy(), 0, 0, 0, None, None
   saves = recomputed = restarts = 0
   failures = iter(failures)
   fail_at = next(failures, None)
@@ -112,14 +113,15 @@ def replay(trace: dict, new_policy, failures: list[int], steps: int) -> dict:
     if pending is not None:
       policy.observe(pending, *trace[pending])
     s, computed, pending = s + 1, computed + 1, s + 1
-    if s < steps and policy.should_save(s, last):
-      last, saves = s, saves + 1
+    in_flight = started is not None and computed - started < busy
+    if s < steps and policy.should_save(s, last, in_flight):
+      last, saves, started = s, saves + 1, computed
       policy.saved(s)
     if computed == fail_at:
       fail_at = next(failures, None)
       if s < steps:
         recomputed, restarts = recomputed + s - last, restarts + 1
-        s, policy, pending = last, new_policy(), None
+        s, policy, pending, started = last, new_policy(), None, None
   return {"recomputed": recomputed, "saves": saves, "restarts": restarts, "computed": computed}
 
 
@@ -202,8 +204,9 @@ def _fail_and_resume(cfg, workdir: str, failures: list[int], devices) -> dict:
           "badput_restore_s": final["badput_restore_s"]}
 
 
-def trace_run(cfg, workdir: str) -> tuple[dict, float, float]:
-  """One uninterrupted run: {step: (loss, grad_norm, skipped)}, median step seconds, median save blocking seconds."""
+def trace_run(cfg, workdir: str) -> tuple[dict, float, float, float]:
+  """One uninterrupted run: {step: (loss, grad_norm, skipped)}, median seconds of a step, of a save's blocking part
+  and of a whole (asynchronous) save."""
   import jax
   import jaxtrain
   shutil.rmtree(workdir, ignore_errors=True)
@@ -212,8 +215,9 @@ def trace_run(cfg, workdir: str) -> tuple[dict, float, float]:
   steps = [r for r in rows if "event" not in r and "loss" in r]
   trace = {r["step"]: (r["loss"], r["grad_norm"], r.get("skipped_steps", 0.0)) for r in steps}
   step_s = statistics.median(r["step_time_s"] for r in steps[1:])
-  saves = [r["save_blocking_s"] for r in rows if r.get("event") == "checkpoint_save"]
-  return trace, step_s, statistics.median(saves)
+  saves = [r for r in rows if r.get("event") == "checkpoint_save"]
+  return (trace, step_s, statistics.median(r["save_blocking_s"] for r in saves),
+          statistics.median(r["save_total_s"] for r in saves))
 
 
 # ---- the study ----
@@ -225,7 +229,8 @@ def study(plan: dict, root: str) -> dict:
   for cfg in configs.values():
     cfg.train.steps = plan["steps"]
   steps = plan["steps"]
-  trace, step_s, save_s = trace_run(configs["fixed_10"], os.path.join(root, "trace"))
+  trace, step_s, save_s, save_total_s = trace_run(configs["fixed_10"], os.path.join(root, "trace"))
+  busy = round(save_total_s / step_s)  # steps a save stays in flight on this machine
   rows = []
   for mtbf in plan["mtbf"]:
     for arg, cfg in configs.items():
@@ -241,10 +246,14 @@ def study(plan: dict, root: str) -> dict:
     cfg = configs[arg]
     measured = real_run(cfg, os.path.join(root, f"real_{arg}"), schedule)
     replayed = replay(trace, lambda cfg=cfg: make_policy(cfg), schedule, steps)
-    real.append({"policy": arg, "mtbf": plan["real_mtbf"], "real": measured, "replay": replayed})
-    print(f"real {arg}: recomputed {measured['recomputed']} (replay {replayed['recomputed']}), saves "
-          f"{measured['saves']} (replay {replayed['saves']}), restarts {measured['restarts']}", flush=True)
-  return {"steps": steps, "seeds": plan["seeds"], "step_s": step_s, "save_blocking_s": save_s, "rows": rows,
+    busy_replay = replay(trace, lambda cfg=cfg: make_policy(cfg), schedule, steps, busy)
+    real.append({"policy": arg, "mtbf": plan["real_mtbf"], "real": measured, "replay": replayed,
+                 "replay_busy": busy_replay})
+    print(f"real {arg}: recomputed {measured['recomputed']} (replay {replayed['recomputed']}, "
+          f"{busy_replay['recomputed']} with saves in flight), saves {measured['saves']} (replay {replayed['saves']}, "
+          f"{busy_replay['saves']}), restarts {measured['restarts']}", flush=True)
+  return {"steps": steps, "seeds": plan["seeds"], "step_s": step_s, "save_blocking_s": save_s,
+          "save_total_s": save_total_s, "busy_steps": busy, "rows": rows,
           "real": real, "schedule": [f for f in schedule if f < 2 * steps],
           "machine": f"{platform.machine()}, {os.cpu_count()} cores, {jax.devices()[0].device_kind}",
           "jax": jax.__version__, "python": platform.python_version(), "date": str(datetime.date.today())}
@@ -256,14 +265,29 @@ def table(result: dict) -> str:
   for r in result["rows"]:
     lines.append(f"| {r['mtbf']} | {r['policy']} | {r['saves']:.1f} | {r['restarts']:.2f} | {r['recomputed']:.1f} | "
                  f"{r['recomputed_per_failure']:.1f} | {r['overhead_s']:.2f} |")
-  lines += ["", "| real run (MTBF %d, seed 0) | recomputed: real / replay | saves: real / replay | restarts | "
-            "goodput's lost_steps | goodput | wall (s) |" % result["real"][0]["mtbf"] if result["real"] else "",
+  if not result["real"]:
+    return "\n".join(lines) + "\n"
+  lines += ["", f"| real run (MTBF {result['real'][0]['mtbf']}, seed 0) | recomputed: real / replay / replay in flight "
+            f"| saves: real / replay / replay in flight | restarts | goodput's lost_steps | goodput | wall (s) |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for r in result["real"]:
-    m, p = r["real"], r["replay"]
-    lines.append(f"| {r['policy']} | {m['recomputed']} / {p['recomputed']} | {m['saves']} / {p['saves']} | "
-                 f"{m['restarts']} | {m['goodput_lost_steps']} | {m['goodput']:.1%} | {m['wall_s']:.1f} |")
+    m, p, b = r["real"], r["replay"], r.get("replay_busy", r["replay"])
+    lines.append(f"| {r['policy']} | {m['recomputed']} / {p['recomputed']} / {b['recomputed']} | {m['saves']} / "
+                 f"{p['saves']} / {b['saves']} | {m['restarts']} | {m['goodput_lost_steps']} | {m['goodput']:.1%} | "
+                 f"{m['wall_s']:.1f} |")
   return "\n".join(lines) + "\n"
+
+
+MARKERS = ("<!-- results:begin -->", "<!-- results:end -->")
+
+
+def update_readme(path: str, text: str):
+  """Replaces what lies between the README's markers with `text`."""
+  readme = open(path).read()
+  head, rest = readme.split(MARKERS[0])
+  _, tail = rest.split(MARKERS[1])
+  with open(path, "w") as f:
+    f.write(f"{head}{MARKERS[0]}\n{text}{MARKERS[1]}{tail}")
 
 
 def plot(result: dict, path: str):
@@ -310,6 +334,8 @@ def main(argv=None):
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(table(result))
   plot(result, os.path.join(out, "lost_work.png"))
+  if out == HERE and not args.quick:
+    update_readme(os.path.join(HERE, "README.md"), table(result))
   print(table(result))
   print(f"wrote {out} in {result['wall_s']:.0f} s")
 

@@ -53,6 +53,11 @@ def test_adaptive_replay_by_hand(run):
   assert run.replay(calm(30, spike_at=16), new, [], 30)["saves"] == 6
   # a failure after step 10 (saved: 6) restarts a fresh policy: saves at 8, 12, 20, 28 after 2, 6
   assert run.replay(calm(30), new, [10], 30) == {"recomputed": 4, "saves": 6, "restarts": 1, "computed": 34}
+  # saves in flight for 3 steps: the spike's interval of 2 waits: saves at 2, 6, 14, 17, 20 (calm: 4), 24 (8)
+  assert run.replay(calm(30, spike_at=16), new, [], 30, busy=3)["saves"] == 6
+  assert run.replay(calm(30, spike_at=16), new, [], 30, busy=5)["saves"] == 5  # 2, 7 (8), 15, 20 (the spike: 2), 25
+  fixed = lambda: run.Fixed(5)  # noqa: E731
+  assert run.replay(calm(30), fixed, [], 30, busy=8) == run.replay(calm(30), fixed, [], 30)  # never waits
 
 
 def test_table_and_plot_of_a_result(run, tmp_path):
@@ -63,7 +68,11 @@ def test_table_and_plot_of_a_result(run, tmp_path):
   result = {"steps": 30, "seeds": 5, "rows": rows, "real": [{"policy": "fixed_5", "mtbf": 9, "real": real,
                                                               "replay": {"recomputed": 3, "saves": 4}}]}
   text = run.table(result)
-  assert text.count("\n| ") == len(rows) + 1 + 3 and "| fixed_5 | 3 / 3 | 4 / 4 | 1 | 2 | 50.0% | 3.0 |" in text
+  assert text.count("\n| ") == len(rows) + 1 + 3 and "| fixed_5 | 3 / 3 / 3 | 4 / 4 / 4 | 1 | 2 | 50.0% | 3.0 |" in text
+  readme = tmp_path / "README.md"
+  readme.write_text(f"# x\n{run.MARKERS[0]}\nold\n{run.MARKERS[1]}\nafter\n")
+  run.update_readme(str(readme), text)
+  assert readme.read_text() == f"# x\n{run.MARKERS[0]}\n{text}{run.MARKERS[1]}\nafter\n"
   run.plot(result, str(tmp_path / "p.png"))
   assert (tmp_path / "p.png").stat().st_size > 1000
 
