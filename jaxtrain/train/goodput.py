@@ -17,7 +17,9 @@ time:
 
 A job spans runs on the same workdir: a resumed run reads the cumulative buckets of the previous one from
 metrics.jsonl and the steps it computed (rows with `goodput_*` fields). Wall time is the runs' own time summed
-(the gap between a crash and its restart is not seen from inside). Energy: NVML board power of this process's
+(the gap between a crash and its restart is not seen from inside). A run that dies without its final row loses
+the record of what it did after its last logged row: the steps in flight (one with log_every=1) are recomputed
+but not counted, and its last seconds are in no bucket. Energy: NVML board power of this process's
 GPUs, sampled on a background thread and integrated by the trapezoid rule, times the process count.
 """
 

@@ -37,6 +37,10 @@ def test_buckets_rewind_and_resume_with_a_fake_clock():
   assert (row["badput_init_s"], row["badput_compile_s"], row["badput_eval_s"], row["badput_checkpoint_s"]) == (2, 5, 3, 4)
   assert row["cost_per_mtok"] == pytest.approx(3.0 * 2 * 19 / 3600 / (400 / 1e6))
   assert "energy_j" not in row
+  assert goodput_lib.summary(row) == (
+      "goodput 26.3%: 5.00 s of productive steps in 19.00 s since the job began (0 restarts); badput: init 2.00 s, "
+      "compile 5.00 s, checkpoint 4.00 s, eval 3.00 s; 0 steps recomputed; 79.17 per million tokens at "
+      "train.gpu_hour_price.")
   # a rollback from step 4 to step 2: steps 3 and 4 (3 s of productive time) are lost
   g.rewind(2, 4)
   row = g.row(2)
