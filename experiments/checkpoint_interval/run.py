@@ -293,7 +293,7 @@ def update_readme(path: str, text: str):
 def plot(result: dict, path: str):
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
-  fig = Figure(figsize=(7, 4.5))
+  fig = Figure(figsize=(7.5, 5))
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
   for i, mtbf in enumerate(sorted({r["mtbf"] for r in result["rows"]})):
@@ -309,8 +309,9 @@ def plot(result: dict, path: str):
   ax.set_xlabel(f"saves per run of {result['steps']} steps (mean over {result['seeds']} failure draws)")
   ax.set_ylabel("steps recomputed (mean)")
   ax.set_xscale("log")
-  ax.set_yscale("symlog", linthresh=1)
-  ax.legend(fontsize=7, ncol=2)
+  if all(r["recomputed"] > 0 for r in result["rows"]):
+    ax.set_yscale("log")
+  ax.legend(fontsize=7, ncol=2, loc="lower left")
   ax.set_title("checkpoint interval vs lost work")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
