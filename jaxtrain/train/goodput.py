@@ -30,6 +30,7 @@ from typing import Callable
 
 BUCKETS = ("init", "data", "compile", "checkpoint", "restore", "eval", "lost")
 POWER_INTERVAL_S = 0.1  # seconds between board-power samples
+TRAIL = 4096  # steps of the trail kept at full resolution; older ones are thinned (interpolated between)
 
 
 class Goodput:
@@ -55,8 +56,10 @@ class Goodput:
     seconds, self.mark = now - self.mark, now
     if bucket == "step":
       self.productive += seconds
-      if step is not None:
+      if step is not None and (not self.trail or step > self.trail[-1][0]):
         self.trail.append((step, self.productive))
+        if len(self.trail) > 2 * TRAIL:  # a long run: every other old entry goes
+          self.trail = self.trail[:-TRAIL][::2] + self.trail[-TRAIL:]
     else:
       self.bad[bucket] += seconds
     return seconds

@@ -206,3 +206,17 @@ def test_compare_runs_shows_the_final_totals(run_a):
   assert shown["goodput"] == f"{final['goodput']:.1%}" and shown["lost_steps"] == "0"
   assert shown["badput_checkpoint_s"] == f"{final['badput_checkpoint_s']:.2f}"  # the end's, final save included
   assert shown["cost_per_mtok"] == f"{final['cost_per_mtok']:.4g}"
+
+
+def test_the_trail_stays_bounded_and_interpolates(monkeypatch):
+  monkeypatch.setattr(goodput_lib, "TRAIL", 8)
+  clock = FakeClock()
+  g = goodput_lib.Goodput(clock)
+  for step in range(1, 101):
+    clock.t += 1.0
+    g.charge("step", step)
+    g.charge("step", step)  # a second boundary of the same step (an eval, a save) adds no entry
+  assert len(g.trail) <= 16 and g.trail[-8:] == [(s, float(s)) for s in range(93, 101)]
+  assert g.productive_at(37) == 37.0  # one second a step: exact between thinned entries
+  g.rewind(40, 100)
+  assert (g.productive, g.bad["lost"], g.lost_steps) == (40.0, 60.0, 60)
