@@ -200,7 +200,8 @@ def _fail_and_resume(cfg, workdir: str, failures: list[int], devices) -> dict:
       s = newest_checkpoint(workdir)
       recomputed, restarts = recomputed + at - s, restarts + 1
   return {"recomputed": recomputed, "restarts": restarts, "goodput_lost_steps": final["lost_steps"],
-          "goodput": final["goodput"], "wall_s": time.perf_counter() - start, "badput_lost_s": final["badput_lost_s"], "badput_checkpoint_s": final["badput_checkpoint_s"],
+          "goodput": final["goodput"], "wall_s": time.perf_counter() - start, "badput_lost_s": final["badput_lost_s"],
+          "badput_checkpoint_s": final["badput_checkpoint_s"],
           "badput_restore_s": final["badput_restore_s"]}
 
 

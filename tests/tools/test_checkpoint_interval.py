@@ -1,5 +1,6 @@
-"""experiments/checkpoint_interval/run.py: failure draws and the replay of save policies against hand-worked schedules
-(fast), and the whole script at its --quick budget, whose real failing runs must recompute what the replay says (slow)."""
+"""experiments/checkpoint_interval/run.py: failure draws and the replay of save policies against hand-worked
+schedules (fast), and the whole script at its --quick budget, whose real failing runs must recompute what the
+replay says (slow)."""
 
 import importlib.util
 import json
