@@ -175,7 +175,6 @@ def real_run(cfg, workdir: str, failures: list[int]) -> dict:
   """Trains to the end through the failures (computed-step counts); recomputed steps, saves, restarts, and the
   goodput columns of the last run."""
   import jax
-  import jaxtrain
   shutil.rmtree(workdir, ignore_errors=True)
   with CountSaves(cfg.train.steps) as saves:
     measured = _fail_and_resume(cfg, workdir, failures, jax.devices()[:1])
