@@ -172,6 +172,7 @@ def default_config() -> ml_collections.ConfigDict:
   t.ce_token_chunk = 1024  # chunked: tokens per tile
   t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile
   t.peer_timeout_s = 60.0  # multi-process: a peer silent this long is lost; the others end with status 6
+  t.gpu_hour_price = 0.0  # price of one GPU-hour (one host-hour on CPU): cost per million tokens; 0 = not shown
   t.task = "lm"  # one of TASKS: lm (pre-training), sft, rm (reward model), dpo, grpo, ppo (jaxtrain/posttrain)
 
   # Post-training tasks (train.task sft, rm, dpo; jaxtrain/posttrain). Data: JSONL rows of prompt/completion,
@@ -346,6 +347,8 @@ def validate(cfg, device_count: int) -> dict[str, int]:
               "ce_vocab_chunk"):
     if t[key] <= 0:
       raise ConfigError(f"train.{key} must be positive, got {t[key]}")
+  if t.gpu_hour_price < 0:
+    raise ConfigError(f"train.gpu_hour_price must be >= 0 (0 = no cost estimate), got {t.gpu_hour_price}")
   if m.n_heads % m.n_kv_heads:
     raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
   tp = shape["tensor"]
@@ -592,7 +595,7 @@ def validate_rope(m) -> None:
 RESUMABLE_CHANGES = ("mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
                      "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
                      "train.eval_batches", "train.microbatches", "data.prefetch", "data.prepare_workers",
-                     "data.cache_dir", "train.peer_timeout_s")
+                     "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price")
 
 
 def flat(d: dict, prefix: str = "") -> dict:

@@ -10,6 +10,9 @@ Columns (--keys, in order; default all of these):
   eval_gap        the last eval_loss - eval_entropy_floor, when logged
   tokens_per_sec  medians over the rows timed on training alone: not the first after a start or a
   mfu             restore (compilation), nor those holding an evaluation (tools/runs.py: timed_rows)
+  goodput, goodput_productive_s, badput_compile_s, badput_checkpoint_s, badput_restore_s, badput_eval_s,
+  badput_lost_s, lost_steps, joules_per_token, cost_per_mtok
+                  the job's totals at its end (train/goodput.py), shown by default when a run logged them
   any other logged metric (grad_norm, lr, ...): its value at the last step that logs it.
 Then one column per config.json key whose value differs between the runs ("-": not in that run)."""
 
@@ -44,6 +47,19 @@ def _median(rows: list[dict], key: str):
   return statistics.median(values) if values else None
 
 
+def _final(run: Run, key: str):
+  """`key` of the job's goodput totals at its end (the `goodput` event, after the final save), else of its last
+  step row."""
+  final = getattr(run, "final", None) or {}
+  return final.get(key, _last(run, key))
+
+
+def final_goodput(workdir: str) -> dict:
+  """The newest `goodput` event row of a workdir ({} when none)."""
+  from jaxtrain.metrics import read_metrics
+  return next((r for r in reversed(read_metrics(workdir)) if r.get("event") == "goodput"), {})
+
+
 # name -> (the run's value or None, its format); grep-able, in the default column order
 COLUMNS = {
     "step": (lambda run: _last(run, "step"), "{:d}"),
@@ -54,16 +70,34 @@ COLUMNS = {
     "eval_gap": (lambda run: _gap(run, "eval_loss", "eval_entropy_floor"), "{:.4f}"),
     "tokens_per_sec": (lambda run: _median(run.timed, "tokens_per_sec"), "{:,.0f}"),
     "mfu": (lambda run: _median(run.timed, "mfu"), "{:.2%}"),
+    "goodput": (lambda run: _final(run, "goodput"), "{:.1%}"),
+    "goodput_productive_s": (lambda run: _final(run, "goodput_productive_s"), "{:.2f}"),
+    "badput_compile_s": (lambda run: _final(run, "badput_compile_s"), "{:.2f}"),
+    "badput_checkpoint_s": (lambda run: _final(run, "badput_checkpoint_s"), "{:.2f}"),
+    "badput_restore_s": (lambda run: _final(run, "badput_restore_s"), "{:.2f}"),
+    "badput_eval_s": (lambda run: _final(run, "badput_eval_s"), "{:.2f}"),
+    "badput_lost_s": (lambda run: _final(run, "badput_lost_s"), "{:.2f}"),
+    "lost_steps": (lambda run: _final(run, "lost_steps"), "{:.0f}"),
+    "joules_per_token": (lambda run: _final(run, "joules_per_token"), "{:.3g}"),
+    "cost_per_mtok": (lambda run: _final(run, "cost_per_mtok"), "{:.4g}"),
 }
+# shown by default only when some run logged them (runs from before goodput, or off GPUs for energy, lack them)
+OPTIONAL = ("goodput", "goodput_productive_s", "badput_compile_s", "badput_checkpoint_s", "badput_restore_s",
+            "badput_eval_s", "badput_lost_s", "lost_steps", "joules_per_token", "cost_per_mtok")
 
 
 def compare(workdirs: list[str], keys: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
-  """(header, one row of cells per run): the run's name, `keys` (default: COLUMNS; or logged metrics), then
-  the config keys that differ."""
-  runs, keys = load_runs(workdirs), list(COLUMNS) if keys is None else keys
+  """(header, one row of cells per run): the run's name, `keys` (default: COLUMNS, the OPTIONAL ones when a run
+  logged them; or logged metrics), then the config keys that differ."""
+  runs = load_runs(workdirs)
+  for run, workdir in zip(runs, workdirs):
+    run.final = final_goodput(workdir)
+  if keys is None:
+    keys = [k for k in COLUMNS if k not in OPTIONAL or any(metric_cell(run, k) != MISSING for run in runs)]
   for key in keys:
     if key not in COLUMNS and not any(series(run.rows, key)[0] for run in runs):
-      raise RunError(f"--keys: no run logged {key!r} (columns: {', '.join(COLUMNS)}, or any logged metric)")
+      base = ", ".join(k for k in COLUMNS if k not in OPTIONAL)
+      raise RunError(f"--keys: no run logged {key!r} (columns: {base}, or any logged metric)")
   configs = [flatten(run.config) if run.config is not None else None for run in runs]
   differ = config_differences(configs)
   rows = [[run.name] + [metric_cell(run, key) for key in keys]
@@ -130,11 +164,11 @@ def _text_line(cells: list[str], widths: list[int]) -> str:
 def main(argv=None) -> int:
   parser = Parser(prog="compare_runs.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="training workdirs (DIR/metrics.jsonl)")
-  parser.add_argument("--keys", default=",".join(COLUMNS), help="comma-separated columns (see the module doc)")
+  parser.add_argument("--keys", default=None, help="comma-separated columns (see the module doc)")
   parser.add_argument("--format", choices=("text", "md"), default="text", help="aligned text or Markdown")
   args = parser.parse_args(argv)
-  keys = [k for k in args.keys.split(",") if k]
-  if not keys:
+  keys = None if args.keys is None else [k for k in args.keys.split(",") if k]
+  if keys == []:
     fail("compare_runs.py: --keys: give at least one column")
   try:
     print(format_table(*compare(args.workdirs, keys), args.format))

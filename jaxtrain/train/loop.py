@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
 from jaxtrain.parallel import hlo_bytes
-from jaxtrain.train import lock, peers, state as state_lib, task as task_lib
+from jaxtrain.train import goodput as goodput_lib, lock, peers, state as state_lib, task as task_lib
 from jaxtrain.train.lm import LanguageModel
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.step import make_train_step
@@ -161,9 +161,9 @@ class Log:
   """Rows of metrics.jsonl and the progress bar. A step's metrics are read one step late (after the
   next step was dispatched), so the loop never waits on the device for them."""
 
-  def __init__(self, writer, bar, constants: dict, task, peak: float, per_replica: bool = False):
+  def __init__(self, writer, bar, constants: dict, task, peak: float, per_replica: bool = False, goodput=None):
     self.writer, self.bar, self.constants, self.peak = writer, bar, constants, peak
-    self.per_replica = per_replica
+    self.per_replica, self.goodput = per_replica, goodput  # goodput: step -> its cumulative columns, or None
     self.tokens, self.flops = task.tokens_per_batch, task.flops_per_token
     self.restart_window()
 
@@ -184,6 +184,8 @@ class Log:
     row = {**values, "step_time_s": step_time, **self.constants}
     if self.tokens:
       row.update(tokens_per_sec=self.tokens / step_time, mfu=self.flops * self.tokens / step_time / self.peak)
+    if self.goodput is not None:
+      row.update(self.goodput(step))
     self.writer.write(step, row)
     self.bar.update(step - self.bar.n)
     self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{row.get('tokens_per_sec', 0):,.0f}",
@@ -231,6 +233,7 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True, 
 
 
 def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
+  goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
   devices = jax.devices() if devices is None else devices
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
@@ -239,6 +242,9 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
   show = progress and jax.process_index() == 0
 
   with contextlib.ExitStack() as stack:
+    goodput.energy = goodput_lib.gpu_energy_meter()  # None off NVIDIA GPUs or without nvidia-ml-py
+    if goodput.energy is not None:
+      stack.callback(goodput.energy.stop)
     # ---- data, opened before compiling: this process's rows of each global batch, with a state ----
     feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
     try:
@@ -260,7 +266,10 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     stack.callback(ckpts.close)
     meta = checkpoint_meta(cfg, workdir)
     if ckpts.latest()[0] is not None:
+      goodput.charge("init")
       state, shardings, data_state, row = restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)
+      goodput.charge("restore")
+      goodput.resume(goodput_lib.history(workdir), int(state.step))
       train_iter.set_state(data_state)
       writer.write(int(state.step), row)
     else:
@@ -270,6 +279,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
                                             lambda like: init_params(cfg.checkpoint.init_from, like))
         state = state.replace(params=params, task_state=task_state)
     start = int(state.step)
+    goodput.charge("init")
 
     # ---- compile once, with the logical rules and mesh in context ----
     stack.enter_context(jax.set_mesh(mesh))
@@ -279,19 +289,26 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     bar = stack.enter_context(tqdm.auto.tqdm(total=t.steps, initial=start, disable=not show, dynamic_ncols=True,
                                              mininterval=PROGRESS_INTERVAL_S))
     per_replica = per_replica_metrics(cfg)
-    log = Log(writer, bar, constants, task, peak, per_replica)
+    units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()  # GPUs paid for
+    log = Log(writer, bar, constants, task, peak, per_replica,
+              lambda s: goodput.row(s, task.tokens_per_batch, t.gpu_hour_price, units))
     gather = readable(mesh, per_replica)
     last, pending, rollbacks, compiled = {}, None, 0, None
+    goodput.charge("init")  # jitting, the peak FLOP/s probe
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
     preemption = stack.enter_context(Preemption())
     adaptive = any(tier.adaptive for tier in ckpts.tiers)
     step = start
     while step < t.steps:
-      batch = task.make_batch(state.params, state.extra, state.task_state, feed.put(next(train_iter)), step)
+      local = next(train_iter)
+      goodput.charge("data")
+      batch = task.make_batch(state.params, state.extra, state.task_state, feed.put(local), step)
       if compiled is None:  # compiled once, here, so that its HLO says what the step sends (comm_bytes)
+        goodput.charge("step")
         compiled = train_fn.lower(state, batch).compile()
         log.constants.update(comm_bytes(compiled.as_text(), mesh))
+        goodput.charge("compile")
       state, step_metrics = compiled(state, batch)
       step_metrics = gather(step_metrics)
       if sync_every_step:
@@ -303,7 +320,10 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
                                                         health["skipped_steps"]))
         if health["consecutive_skips"] >= o.max_consecutive_skips:
           log.step((*pending[:2], True, {}))
+          goodput.charge("step", pending[0])
           state, step = _rollback(cfg, ckpts, task, tx, mesh, pending[0], rollbacks)  # or raises Diverged
+          goodput.charge("restore")
+          goodput.rewind(step, pending[0])
           rollbacks += 1
           log.event(step, {"event": "rollback", "from_step": pending[0], "rollbacks": rollbacks})
           pending = None
@@ -316,9 +336,11 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
       pending = (step + 1, step_metrics, is_last or step == start or (step + 1) % t.log_every == 0, {})
       if t.eval_every and ((step + 1) % t.eval_every == 0 or is_last):
         jax.block_until_ready(state)  # the step's own time stays in the step's window, the eval's does not
+        goodput.charge("step", step + 1)
         eval_start = time.perf_counter()
         result = evaluate(eval_fn, state, feed, task, t.eval_batches)
         result["eval_time_s"] = time.perf_counter() - eval_start
+        goodput.charge("eval")
         log.window_start += result["eval_time_s"]
         pending = (step + 1, step_metrics, True, result)  # logged in the same row as the step
         if show:
@@ -330,10 +352,14 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
         last["preempted"] = preemption.requested
         break
       if not is_last and (due := ckpts.due(step)):
+        jax.block_until_ready(state)  # the save waits for its step: that wait is the step's, the rest the save's
+        goodput.charge("step", step)
         _log_decisions(log, step, ckpts.save(step, state, train_iter.get_state(), meta, due))
+        goodput.charge("checkpoint")
       for record in ckpts.finished_saves():  # also where a failed background save is noticed
         log.event(record.step, record.row())
       ckpts.check()  # errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row
+      goodput.charge("step", step)
     if pending is not None:
       if log.health(pending[1])["consecutive_skips"] >= o.max_consecutive_skips:
         raise errors.Diverged(f"training diverged: the last {o.max_consecutive_skips} updates up to step "
@@ -341,13 +367,20 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
       last.update(log.step(pending))
 
     # ---- the end (also after a preemption): a forced save to the persistent tier ----
+    jax.block_until_ready(state)
+    goodput.charge("step", int(state.step))
     ckpts.save(int(state.step), state, train_iter.get_state(), meta, ckpts.persistent())
     ckpts.wait()
+    goodput.charge("checkpoint")
     for record in ckpts.finished_saves():
       log.event(record.step, record.row())
     ckpts.check(final=True)  # errors.SaveFailed when the final save failed
+    totals = log.goodput(int(state.step))
+    log.event(int(state.step), {"event": "goodput", **totals})
+    if show:
+      bar.write(goodput_lib.summary(totals))
   last.update({"peak_flops": peak, "peak_source": peak_source, "step": int(state.step), "rollbacks": rollbacks,
-               **sizes, **constants})
+               **sizes, **constants, **totals})
   return last
 
 
