@@ -1,0 +1,125 @@
+"""jaxtrain as a library in one process (a notebook's kernel): many `train` calls without leaking, a
+KeyboardInterrupt in a step saves and returns, `read_metrics` as a table and `plot`."""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jaxtrain
+from jaxtrain import metrics
+from jaxtrain.train.lm import LanguageModel
+from tests.fixtures import tiny_config
+from tests.tools.workdirs import A_ROWS, B_ROWS, write_run
+
+
+def losses(workdir) -> dict:
+  return {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
+
+
+def rss_mib() -> float:
+  """Resident set size of this process (Linux /proc/self/statm: pages)."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Interrupted(LanguageModel):
+  """Language modeling whose host code is interrupted (Ctrl-C outside the signal handler) before step `at`."""
+
+  def __init__(self, cfg, workdir, at: int):
+    super().__init__(cfg, workdir)
+    self.at = at
+
+  def make_batch(self, params, extra, task_state, batch, step):
+    if step == self.at:
+      raise KeyboardInterrupt
+    return batch
+
+
+def test_keyboard_interrupt_in_a_step_saves_returns_and_resumes_exactly(tmp_path):
+  cfg = tiny_config(train=dict(steps=5))
+  one = jax.devices()[:1]
+  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  jaxtrain.train(cfg, straight, progress=False, devices=one)
+  final = jaxtrain.train(cfg, stopped, task=Interrupted(cfg, stopped, at=3), progress=False, devices=one)
+  assert final["preempted"] == "KeyboardInterrupt" and final["step"] == 3
+  assert sorted(int(d) for d in os.listdir(os.path.join(stopped, "checkpoints")) if d.isdigit())[-1] == 3
+  assert sorted(losses(stopped)) == [1, 2, 3]  # the last finished step is logged before the save
+  resumed = jaxtrain.train(cfg, stopped, progress=False, devices=one)  # the plain task: the workdir resumes
+  assert "preempted" not in resumed and resumed["step"] == 5
+  assert losses(stopped) == losses(straight)  # the interrupted batch is the resumed run's first: bitwise
+
+
+@pytest.mark.slow  # ten compilations: ~1 minute on 2 idle cores
+def test_ten_runs_in_one_process_do_not_grow_memory(tmp_path):
+  """Other configs, another mesh (devices=), a resume; RSS after the tenth run within 10% of after the second."""
+  devices = jax.devices()
+  runs = [  # (name, config sections, devices)
+      ("a", {}, devices[:1]),
+      ("b", {"model": dict(n_layers=1)}, devices[:1]),
+      ("c", {"model": dict(d_model=64, head_dim=16, d_ff=128)}, devices[:1]),
+      ("a_on_4", {"mesh": dict(data=2, fsdp=2)}, devices[:4]),  # run a's config on a 2x2 mesh
+      ("d", {"train": dict(seq_len=32)}, devices[:1]),
+      ("a_on_2", {"mesh": dict(data=1, tensor=2, rules="fsdp_tp")}, devices[:2]),
+      ("b", {"model": dict(n_layers=1), "train": dict(steps=6)}, devices[:1]),  # b resumed for two more steps
+      ("e", {"optim": dict(lr=3e-3)}, devices[:1]),
+      ("f", {"model": dict(n_kv_heads=4)}, devices[:1]),
+      ("g", {"train": dict(batch_size=4)}, devices[:1]),
+  ]
+  rss, results = [], {}
+  for name, sections, devs in runs:
+    cfg = tiny_config(**sections)
+    results[name] = jaxtrain.train(cfg, str(tmp_path / name), progress=False, devices=devs)
+    rss.append(rss_mib())
+  print(f"RSS MiB after each run: {[round(r) for r in rss]}", file=sys.stderr)
+  assert rss[9] <= 1.10 * rss[1], rss
+  # the runs are right, not only small: another mesh continues the same run, a resume continues it
+  for other in ("a_on_4", "a_on_2"):
+    np.testing.assert_allclose(list(losses(tmp_path / other).values()), list(losses(tmp_path / "a").values()),
+                               rtol=1e-5)
+  assert sorted(losses(tmp_path / "b")) == [1, 2, 3, 4, 5, 6] and results["b"]["step"] == 6
+
+
+def test_read_metrics_is_a_data_frame_or_the_rows(tmp_path):
+  pd = pytest.importorskip("pandas")
+  workdir = write_run(str(tmp_path), "a", A_ROWS, torn='{"step": 7, "lo')
+  frame = jaxtrain.read_metrics(workdir)
+  assert isinstance(frame, pd.DataFrame) and list(frame.columns)[0] == "step" and len(frame) == len(A_ROWS)
+  steps = frame[frame["event"].isna()]
+  assert list(steps["step"]) == [r["step"] for r in A_ROWS if "event" not in r]
+  assert list(steps["loss"]) == [r["loss"] for r in A_ROWS if "event" not in r]
+  assert list(frame["event"].dropna()) == ["checkpoint_save", "checkpoint_restore"]
+  assert jaxtrain.read_metrics(workdir, as_frame=False) == A_ROWS == metrics.read_metrics(workdir)
+
+
+def test_read_metrics_without_pandas_is_the_list(tmp_path, monkeypatch):
+  workdir = write_run(str(tmp_path), "b", B_ROWS)
+  monkeypatch.setitem(sys.modules, "pandas", None)  # as if it were not installed
+  assert jaxtrain.read_metrics(workdir) == B_ROWS
+  with pytest.raises(ImportError):
+    jaxtrain.read_metrics(workdir, as_frame=True)
+
+
+def test_plot_draws_the_logged_values_and_the_floor(tmp_path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  a, b = write_run(str(tmp_path), "a", A_ROWS), write_run(str(tmp_path), "b", B_ROWS)
+  fig = jaxtrain.plot(a, keys=("loss", "grad_norm"))
+  loss, grad = fig.axes
+  # the newest row of a step logged twice (a resume), checkpoint events skipped
+  assert [(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata())) for ln in loss.lines] == [
+      ("a", [1, 2, 3, 4, 5, 6], [5.0, 4.0, 3.5, 3.3, 3.0, 2.8]), ("a floor", [0, 1], [2.0, 2.0])]
+  assert loss.lines[1].get_linestyle() == "--" and loss.get_title() == "training loss"
+  assert list(grad.lines[0].get_ydata()) == [1.5, 1.25, 1.0, 0.8, 0.7, 0.6] and grad.get_title() == "grad_norm"
+  plt.close(fig)
+
+  fig, (left, right) = plt.subplots(1, 2)
+  assert jaxtrain.plot([a, b], keys=("eval_loss", "mfu"), ax=(left, right)) is fig
+  assert [ln.get_label() for ln in left.lines] == ["a", "b", "a floor"]
+  assert list(right.lines[1].get_xdata()) == [3, 5]  # throughput without compilation or eval rows
+  with pytest.raises(ValueError, match="an Axes per key"):
+    jaxtrain.plot(a, keys=("loss", "mfu"), ax=left)
+  plt.close(fig)
