@@ -11,6 +11,7 @@ and the cell; 0 prints one line per notebook with its time."""
 
 import argparse
 import glob
+import json
 import os
 import re
 import sys
@@ -35,15 +36,17 @@ def kernel_env(steps: int) -> dict:
 
 
 def kernel_manager(spec_root: str):
-  """A kernel manager for ipykernel of this very Python (a kernelspec installed under `spec_root`), whatever
+  """A kernel manager for ipykernel of this very Python (a kernelspec written under `spec_root`), whatever
   kernelspecs the machine has."""
-  from ipykernel.kernelspec import install
   from jupyter_client.kernelspec import KernelSpecManager
   from jupyter_client.manager import KernelManager
-  spec_dir = install(kernel_name=KERNEL, prefix=spec_root)
-  specs = KernelSpecManager(kernel_dirs=[os.path.dirname(spec_dir)])
-  return KernelManager(kernel_name=KERNEL, kernel_spec_manager=specs, transport="ipc",  # no TCP port: no warning
-                       ip=os.path.join(spec_root, "kernel-ipc"))
+  spec_dir = os.path.join(spec_root, KERNEL)
+  os.makedirs(spec_dir, exist_ok=True)
+  with open(os.path.join(spec_dir, "kernel.json"), "w") as f:
+    json.dump({"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+               "display_name": KERNEL, "language": "python"}, f)
+  return KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[spec_root]),
+                       transport="ipc", ip=os.path.join(spec_root, "kernel-ipc"))  # no TCP port: no warning
 
 
 def run(path: str, steps: int = 4, timeout: int = 1200, keep: str | None = None):
@@ -59,7 +62,7 @@ def run(path: str, steps: int = 4, timeout: int = 1200, keep: str | None = None)
     cwd = os.path.join(tmp, "work")
     os.makedirs(cwd)
     client = NotebookClient(nb, km=kernel_manager(os.path.join(tmp, "kernel")), timeout=timeout,
-                            resources={"metadata": {"path": cwd}})
+                            shutdown_kernel="immediate", resources={"metadata": {"path": cwd}})
     try:
       client.execute(env=kernel_env(steps))
     except CellExecutionError as e:

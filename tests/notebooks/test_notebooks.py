@@ -4,6 +4,8 @@ notebooks themselves with `python tools/run_notebooks.py` (.ci/run)."""
 
 import glob
 import os
+import queue
+import time
 
 import nbformat
 import pytest
@@ -56,7 +58,52 @@ def test_runner_passes_steps_and_fails_on_an_error_or_a_warning(tmp_path):
   steps, cwd = nb.cells[0].outputs[0].text.split()
   assert steps == "3" and cwd != os.getcwd() and not cwd.startswith(ROOT)
   assert run_notebooks.progress_bars(nb) == 1  # tqdm.auto is the notebook front end: a widget, no text
-  with pytest.raises(run_notebooks.NotebookFailed, match=r"t.ipynb: .*ZeroDivisionError"):
+  with pytest.raises(run_notebooks.NotebookFailed, match=r"(?s)t.ipynb: .*ZeroDivisionError"):
     run_notebooks.run(write(tmp_path, "x = 1", "1 / 0", "x = 2"))
   with pytest.raises(run_notebooks.NotebookFailed, match="cell 1 printed a warning: UserWarning"):
     run_notebooks.run(write(tmp_path, "x = 1", "import warnings; warnings.warn('careful')"))
+
+
+INTERRUPTED = '''
+import jaxtrain
+from tests.fixtures import tiny_config
+final = jaxtrain.train(tiny_config(train=dict(steps=100000)), "run", progress=False)
+saves = [r["step"] for r in jaxtrain.read_metrics("run", as_frame=False) if r.get("event") == "checkpoint_save"]
+print("RESULT", final.get("preempted"), final["step"], saves)
+'''
+
+
+@pytest.mark.slow  # a kernel, jax and a compilation: ~20 s
+def test_interrupting_the_kernel_saves_and_returns(tmp_path):
+  """The notebook's stop button (SIGINT to the kernel) during `jaxtrain.train`: a checkpoint at the step it
+  stopped, the cell returns normally with `preempted` set."""
+  km = run_notebooks.kernel_manager(str(tmp_path / "kernel"))
+  km.start_kernel(env=run_notebooks.kernel_env(4), cwd=str(tmp_path))
+  kc = km.client()
+  kc.start_channels()
+  try:
+    kc.wait_for_ready(timeout=120)
+    msg_id, out, interrupted = kc.execute(INTERRUPTED), [], False
+    metrics_path = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline:
+      if not interrupted and metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 5:
+        km.interrupt_kernel()
+        interrupted = True
+      try:
+        msg = kc.get_iopub_msg(timeout=0.5)
+      except queue.Empty:
+        continue
+      if msg["parent_header"].get("msg_id") != msg_id:
+        continue
+      if msg["msg_type"] in ("stream", "error"):
+        out.append(msg["content"].get("text") or f"{msg['content']['ename']}: {msg['content']['evalue']}")
+      if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+        break
+  finally:
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+  assert interrupted
+  line = next(x for x in "".join(out).splitlines() if x.startswith("RESULT"))
+  _, why, step, saves = line.split(" ", 3)
+  assert why == "SIGINT" and 4 <= int(step) < 100000 and saves == f"[{step}]", out
