@@ -61,13 +61,15 @@ def run(path: str, steps: int = 4, timeout: int = 1200, keep: str | None = None)
   with tempfile.TemporaryDirectory(prefix="nb_") as tmp:
     cwd = os.path.join(tmp, "work")
     os.makedirs(cwd)
-    client = NotebookClient(nb, km=kernel_manager(os.path.join(tmp, "kernel")), timeout=timeout,
-                            shutdown_kernel="immediate", resources={"metadata": {"path": cwd}})
+    km = kernel_manager(os.path.join(tmp, "kernel"))
+    client = NotebookClient(nb, km=km, timeout=timeout, resources={"metadata": {"path": cwd}})
     try:
       client.execute(env=kernel_env(steps))
     except CellExecutionError as e:
       raise NotebookFailed(f"{name}: {e}") from None
     finally:
+      if km.has_kernel:  # nbclient leaves a kernel it was given running
+        km.shutdown_kernel(now=True)
       if keep:
         os.makedirs(keep, exist_ok=True)
         nbformat.write(nb, os.path.join(keep, name))

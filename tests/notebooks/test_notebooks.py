@@ -8,6 +8,7 @@ import queue
 import time
 
 import nbformat
+import psutil
 import pytest
 
 from tests.fixtures import ROOT
@@ -58,6 +59,7 @@ def test_runner_passes_steps_and_fails_on_an_error_or_a_warning(tmp_path):
   steps, cwd = nb.cells[0].outputs[0].text.split()
   assert steps == "3" and cwd != os.getcwd() and not cwd.startswith(ROOT)
   assert run_notebooks.progress_bars(nb) == 1  # tqdm.auto is the notebook front end: a widget, no text
+  assert not psutil.Process().children(recursive=True)  # the kernel is shut down
   with pytest.raises(run_notebooks.NotebookFailed, match=r"(?s)t.ipynb: .*ZeroDivisionError"):
     run_notebooks.run(write(tmp_path, "x = 1", "1 / 0", "x = 2"))
   with pytest.raises(run_notebooks.NotebookFailed, match="cell 1 printed a warning: UserWarning"):
