@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = "jaxtrain-notebooks"
 WIDGET = "application/vnd.jupyter.widget-view+json"  # a tqdm.notebook progress bar's output
-WARNING = re.compile(r"\b\w*Warning\b|^WARNING\b|IProgress not found", re.M)
+WARNING = re.compile(r"\b\w*Warning\b|^WARNING\b|^[WE]\d{4} |IProgress not found", re.M)  # + XLA's glog lines
 
 
 class NotebookFailed(Exception):
