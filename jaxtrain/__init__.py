@@ -5,7 +5,8 @@ Library API (everything the CLI does):
   final = jaxtrain.train(cfg, "runs/tiny")            # -> last logged metrics (train.task: lm, sft, rm, dpo, grpo, ppo)
   text = jaxtrain.sample("runs/tiny", "< 5 6 7 |", max_new_tokens=8, temperature=0, top_k=0)
   cfg, params, apply = jaxtrain.load_pretrained("hf_or_run_dir")   # logits = apply(params, tokens)
-  rows = jaxtrain.read_metrics("runs/tiny")           # metrics.jsonl as a list of dicts
+  table = jaxtrain.read_metrics("runs/tiny")          # metrics.jsonl: a pandas DataFrame (list of dicts without pandas)
+  fig = jaxtrain.plot("runs/tiny", keys=("loss", "eval_loss"))   # matplotlib, entropy floor dashed
 
 Importing jaxtrain does not import jax: the names below that need it are loaded on first use, so that
 JAX_PLATFORMS and XLA_FLAGS set after `import jaxtrain` still take effect.
@@ -26,8 +27,15 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "posttrain": ("jaxtrain.posttrain", None),  # train.task sft, rm, dpo, grpo, ppo
     "load_reward_model": ("jaxtrain.posttrain.reward", "load_reward_model"),
     "load_pretrained": ("jaxtrain.checkpoint.pretrained", "load_pretrained"),
-    "read_metrics": ("jaxtrain.metrics", "read_metrics"),
+    "plot": ("jaxtrain.plotting", "plot"),
 }
+
+
+def read_metrics(workdir: str, as_frame: bool | None = None):
+  """DIR/metrics.jsonl as a table: a pandas DataFrame (a row per line, a column per key) when pandas is
+  installed, else a list of dicts; `as_frame=False` always gives the list (jaxtrain.metrics.read_metrics)."""
+  from jaxtrain import metrics
+  return metrics.read_metrics(workdir, as_frame=as_frame)
 
 
 def __getattr__(name: str):
@@ -40,4 +48,4 @@ def __getattr__(name: str):
   return value if attribute is None else getattr(value, attribute)
 
 
-__all__ = ["ConfigError", "ModelConfig", "default_config", "get_config", "validate", *_LAZY]
+__all__ = ["ConfigError", "ModelConfig", "default_config", "get_config", "read_metrics", "validate", *_LAZY]

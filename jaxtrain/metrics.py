@@ -113,8 +113,10 @@ def _last_byte(path: str) -> bytes:
     return f.read(1)
 
 
-def read_metrics(workdir: str) -> list[dict]:
-  """The rows of DIR/metrics.jsonl (a line cut short by a killed run is skipped)."""
+def read_metrics(workdir: str, as_frame: bool | None = False):
+  """The rows of DIR/metrics.jsonl (a line cut short by a killed run is skipped) as a list of dicts; with
+  `as_frame` a pandas DataFrame (a row per line, a column per key, `step` first), with None one when
+  pandas is installed (`jaxtrain.read_metrics`)."""
   rows = []
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:
@@ -122,4 +124,11 @@ def read_metrics(workdir: str) -> list[dict]:
         rows.append(json.loads(line))
       except json.JSONDecodeError:
         continue
-  return rows
+  if as_frame is None:
+    import importlib.util
+    as_frame = importlib.util.find_spec("pandas") is not None
+  if not as_frame:
+    return rows
+  import pandas as pd
+  frame = pd.DataFrame(rows)
+  return frame[["step", *(c for c in frame.columns if c != "step")]] if "step" in frame else frame

@@ -34,9 +34,10 @@ def test_wheel_ships_configs_and_they_load_outside_the_repository(tmp_path):
 
 def test_library_names_the_readme_uses():
   """`jaxtrain.train(...)` is the loop and `jaxtrain.train.make_train_step` the step (the function used to
-  shadow the subpackage: `jaxtrain.train.train_step` was an AttributeError); read_metrics is exported."""
+  shadow the subpackage: `jaxtrain.train.train_step` was an AttributeError); read_metrics and plot are exported."""
   import jaxtrain
   from jaxtrain.train import loop, step
   assert callable(jaxtrain.train) and jaxtrain.train.loop is loop
   assert jaxtrain.train.make_train_step is step.make_train_step is jaxtrain.train.step.make_train_step
-  assert jaxtrain.read_metrics is jaxtrain.metrics.read_metrics and jaxtrain.Task is jaxtrain.train.Task
+  assert callable(jaxtrain.read_metrics) and jaxtrain.plot is jaxtrain.plotting.plot
+  assert jaxtrain.Task is jaxtrain.train.Task

@@ -7,6 +7,7 @@ import os
 import sys
 
 from jaxtrain.metrics import read_metrics
+from jaxtrain.plotting import series, timed_rows  # noqa: F401  (the tools' too)
 
 
 class RunError(ValueError):
@@ -51,28 +52,6 @@ def load_runs(workdirs: list[str]) -> list[Run]:
   """The runs, named by directory; by their whole path where two directories share a name."""
   names = [os.path.basename(os.path.normpath(w)) for w in workdirs]
   return [load_run(w, n if names.count(n) == 1 else os.path.normpath(w)) for w, n in zip(workdirs, names)]
-
-
-def timed_rows(raw: list[dict]) -> list[dict]:
-  """Step rows whose step time is training alone: not the first after a start or a restore (it
-  includes compilation), nor one holding an evaluation (the loop counts eval time in that row)."""
-  timed, fresh = [], True
-  for row in raw:
-    if row.get("event") == "checkpoint_restore":
-      fresh = True
-    elif "event" not in row and "step" in row:
-      if not fresh and "eval_loss" not in row:
-        timed.append(row)
-      fresh = False
-  return timed
-
-
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-  """(steps, values) of `key` over the rows that log it, the newest row for a step that a resumed
-  run logged again, in step order."""
-  by_step = {r["step"]: r[key] for r in rows if r.get(key) is not None}
-  steps = sorted(by_step)
-  return steps, [by_step[s] for s in steps]
 
 
 class Parser(argparse.ArgumentParser):

@@ -56,7 +56,7 @@ def finished(workdir: str, steps: int) -> bool:
   """Whether `workdir` holds a run that logged its last step with an eval."""
   if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
     return False
-  return any(r.get("step") == steps and "eval_loss" in r for r in jaxtrain.read_metrics(workdir))
+  return any(r.get("step") == steps and "eval_loss" in r for r in jaxtrain.read_metrics(workdir, as_frame=False))
 
 
 def train(cfg, workdir: str) -> float:
@@ -76,7 +76,7 @@ def replica_bytes(row: dict) -> float:
 
 def summarize(name: str, overrides: dict, workdir: str, steps: int) -> dict:
   """The run's final losses, curves and bytes, from its metrics.jsonl."""
-  rows = [r for r in jaxtrain.read_metrics(workdir) if "event" not in r and "loss" in r]
+  rows = [r for r in jaxtrain.read_metrics(workdir, as_frame=False) if "event" not in r and "loss" in r]
   final = [r for r in rows if r["step"] == steps and "eval_loss" in r][-1]
   per_step = replica_bytes(final)
   wall = os.path.join(workdir, "wall_s.json")

@@ -112,7 +112,7 @@ def main():
     print(json.dumps({"train_s": round(time.time() - t0, 1)}), flush=True)
   rows = exact.read_jsonl(paths["eval"])
   prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
-  losses = {r["step"]: r["loss"] for r in jaxtrain.read_metrics(workdir) if "loss" in r}
+  losses = {r["step"]: r["loss"] for r in jaxtrain.read_metrics(workdir, as_frame=False) if "loss" in r}
   for step in range(a.every, a.steps + 1, a.every):
     row = {"noise": a.noise, "reverse": not a.forward, "eval_prompts": len(prompts), "loss": losses.get(step)}
     print(json.dumps({**row, **measure(workdir, step, prompts, answers, a.samples)}), flush=True)

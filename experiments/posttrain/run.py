@@ -133,7 +133,7 @@ def study_noise(out: str, b: dict, quick: bool, seed: int) -> dict:
     workdir = os.path.join(out, "noise", f"sft_{share}")
     train_s = sft(sft_config(base_cfg, train_path, eval_sft, base_dir, b["sft_steps"], b), workdir)
     completions = greedy(workdir, b["sft_steps"], prompts, 6)
-    losses = [r["loss"] for r in jaxtrain.read_metrics(workdir) if "loss" in r]
+    losses = [r["loss"] for r in jaxtrain.read_metrics(workdir, as_frame=False) if "loss" in r]
     rows.append({"sft_noise": share, "wrong_in_sft_set": round(float(wrong), 4),
                  **answer_stats(completions, prompts, answers),
                  "final_sft_loss": round(losses[-1], 4), "train_s": train_s})

@@ -301,9 +301,16 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     adaptive = any(tier.adaptive for tier in ckpts.tiers)
     step = start
     while step < t.steps:
-      local = next(train_iter)
-      goodput.charge("data")
-      batch = task.make_batch(state.params, state.extra, state.task_state, feed.put(local), step)
+      data_state = train_iter.get_state()
+      try:
+        local = next(train_iter)
+        goodput.charge("data")
+        batch = task.make_batch(state.params, state.extra, state.task_state, feed.put(local), step)
+      except KeyboardInterrupt:  # Ctrl-C in host code without the handler (a second one, or a task's own)
+        train_iter.set_state(data_state)  # the batch it was reading is the resumed run's first
+        last["preempted"] = preemption.requested = "KeyboardInterrupt"
+        pending = pending and (*pending[:2], True, pending[3])
+        break
       if compiled is None:  # compiled once, here, so that its HLO says what the step sends (comm_bytes)
         goodput.charge("step")
         compiled = train_fn.lower(state, batch).compile()
