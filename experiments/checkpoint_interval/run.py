@@ -211,7 +211,7 @@ def trace_run(cfg, workdir: str) -> tuple[dict, float, float, float]:
   import jaxtrain
   shutil.rmtree(workdir, ignore_errors=True)
   jaxtrain.train(cfg, workdir, progress=False, devices=jax.devices()[:1])
-  rows = jaxtrain.read_metrics(workdir)
+  rows = jaxtrain.read_metrics(workdir, as_frame=False)
   steps = [r for r in rows if "event" not in r and "loss" in r]
   trace = {r["step"]: (r["loss"], r["grad_norm"], r.get("skipped_steps", 0.0)) for r in steps}
   step_s = statistics.median(r["step_time_s"] for r in steps[1:])

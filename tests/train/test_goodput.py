@@ -117,7 +117,7 @@ def test_no_nvml_reader_on_cpu():
 # ---- real runs ----
 
 def _rows(workdir):
-  return jaxtrain.read_metrics(workdir)
+  return jaxtrain.read_metrics(workdir, as_frame=False)
 
 
 @pytest.fixture(scope="module")
