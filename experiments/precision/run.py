@@ -68,7 +68,8 @@ class Stepper:
   def __init__(self, cfg, device):
     mesh, task, tx, schedule = loop.build(cfg, "", [device])
     self.state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
-    self.feed, self.source = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
+    self.feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
+    self.source = data.make_source(cfg, "train")
     self.contexts = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
     mesh_ctx, rules_ctx = self.contexts()
     with mesh_ctx, rules_ctx:
@@ -219,7 +220,8 @@ def main(argv=None) -> dict:
   os.makedirs(out, exist_ok=True)
   device = jax.devices()[0]
   cfgs = {arg: study.get_config(arg, steps=steps, quick=args.quick) for arg in study.ARGS}
-  results = {"machine": machine(), "command": "python experiments/precision/run.py" + (" --quick" if args.quick else ""),
+  command = "python experiments/precision/run.py" + (" --quick" if args.quick else "")
+  results = {"machine": machine(), "command": command,
              "args": list(study.ARGS), "steps": steps, "repeats": repeats, "quick": args.quick}
   print(f"{results['machine']}", flush=True)
   start = time.perf_counter()

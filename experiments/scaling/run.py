@@ -127,6 +127,12 @@ def finished(workdir: str, steps: int) -> bool:
   return any(r.get("step") == steps and "loss" in r for r in jaxtrain.read_metrics(workdir))
 
 
+def timed(rows: list[dict]) -> list[dict]:
+  """The rows whose step_time_s times a step: not the first (compilation), nor the last, logged after the
+  loop (with sync_every_step its window holds no step)."""
+  return rows[1:-1] if len(rows) > 2 else rows[1:]
+
+
 def time_to_target(rows: list[dict], median: float, target: float, smooth: int):
   """(steps, seconds) until the running mean of `smooth` losses first is <= target, or (None, None). The
   seconds add each step's time, the first step's (compilation) counted as the median step."""
@@ -146,7 +152,7 @@ def run_point(name: str, cfg, n_devices: int, workdir: str, study, start_over: b
     if start_over or not finished(workdir, cfg.train.steps):
       jaxtrain.train(cfg, workdir, devices=devices, progress=False, sync_every_step=True, start_over=True)
   rows = [r for r in jaxtrain.read_metrics(workdir) if "event" not in r and "loss" in r]
-  median = statistics.median(r["step_time_s"] for r in rows[1:])
+  median = statistics.median(r["step_time_s"] for r in timed(rows))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   steps_to, time_to = time_to_target(rows, median, study.TARGET, study.SMOOTH)
   point = {"name": name, "devices": n_devices, "params": param_count(config_lib.ModelConfig(**cfg.model.to_dict())),
@@ -214,7 +220,8 @@ def draw(sizes: list[dict], devices: list[dict], study, path: str):
     memory.set(ylabel="MiB", title=f"memory by {x_label}")
     for p in points:
       seconds = np.cumsum([p["median_step_s"]] + [c[2] for c in p["curve"][1:]])
-      loss.plot(seconds, [c[1] for c in p["curve"]], label=p["name"] if row == 0 else f"{p['devices']} devices")
+      label = p["name"] if row == 0 else f"{p['devices']} device" + ("s" if p["devices"] > 1 else "")
+      loss.plot(seconds, [c[1] for c in p["curve"]], label=label)
     loss.axhline(study.TARGET, color="gray", ls="--", lw=0.8, label=f"target {study.TARGET}")
     loss.set(xlabel="seconds of steps (first step counted as the median)", ylabel="training loss",
              title="loss against time")
@@ -249,8 +256,9 @@ def main(argv=None) -> dict:
              "quick": args.quick, "target": study.TARGET, "smooth": study.SMOOTH, "planner": planner is not None}
   print(results["machine"], flush=True)
   start = time.perf_counter()
-  results["devices"] = [run_point(study.DEVICE_MODEL, study.get_config(study.DEVICE_MODEL, device_steps, args.quick, True),
-                                  n, os.path.join(root, f"{study.DEVICE_MODEL}_x{n}"), study, args.start_over, planner)
+  model = study.DEVICE_MODEL
+  results["devices"] = [run_point(model, study.get_config(model, device_steps, args.quick, True), n,
+                                  os.path.join(root, f"{model}_x{n}"), study, args.start_over, planner)
                         for n in (study.QUICK_DEVICES if args.quick else study.DEVICES)]
   results["sizes"] = [run_point(name, study.get_config(name, steps, args.quick), 1, os.path.join(root, name), study,
                                 args.start_over, planner) for name in study.ARGS]
@@ -286,7 +294,7 @@ def main(argv=None) -> dict:
 
 def format_table_runs(workdirs: list[str]) -> str:
   """tools/compare_runs.py's table of the runs."""
-  return compare_table(*compare(workdirs, ["step", "loss", "tokens_per_sec", "mfu"]))
+  return compare_table(*compare(workdirs, ["step", "loss", "tokens_per_sec", "mfu"]), "md")
 
 
 if __name__ == "__main__":
