@@ -148,9 +148,13 @@ def run_point(name: str, cfg, n_devices: int, workdir: str, study, start_over: b
   devices = jax.devices()[:n_devices]
   config_lib.validate(cfg, n_devices)
   memory = compiled_memory(cfg, devices)
-  with PeakRss() as peak:
-    if start_over or not finished(workdir, cfg.train.steps):
+  rss_file = os.path.join(workdir, "peak_rss.json")  # measured while training, kept for a read-back
+  if start_over or not finished(workdir, cfg.train.steps):
+    with PeakRss() as peak:
       jaxtrain.train(cfg, workdir, devices=devices, progress=False, sync_every_step=True, start_over=True)
+    with open(rss_file, "w") as f:
+      json.dump({"peak_rss": peak.peak}, f)
+  peak_rss = json.load(open(rss_file))["peak_rss"] if os.path.isfile(rss_file) else None
   rows = [r for r in jaxtrain.read_metrics(workdir) if "event" not in r and "loss" in r]
   median = statistics.median(r["step_time_s"] for r in timed(rows))
   tokens = cfg.train.batch_size * cfg.train.seq_len
@@ -158,7 +162,7 @@ def run_point(name: str, cfg, n_devices: int, workdir: str, study, start_over: b
   point = {"name": name, "devices": n_devices, "params": param_count(config_lib.ModelConfig(**cfg.model.to_dict())),
            "tokens_per_step": tokens, "steps": cfg.train.steps, "median_step_s": median,
            "tokens_per_sec": tokens / median, "first_step_s": rows[0]["step_time_s"], "memory": memory,
-           "peak_rss": peak.peak, "final_loss": rows[-1]["loss"], "steps_to_target": steps_to,
+           "peak_rss": peak_rss, "final_loss": rows[-1]["loss"], "steps_to_target": steps_to,
            "time_to_target_s": time_to, "curve": [(r["step"], r["loss"], r["step_time_s"]) for r in rows],
            "workdir": os.path.relpath(workdir, ROOT), "predicted": None}
   if planner is not None:
@@ -189,7 +193,7 @@ def format_table(points: list[dict], study, by: str) -> str:
     reached = p["steps_to_target"] is not None
     cells = [p["name"] if by == "size" else str(p["devices"]), f"{p['params'] / 1e6:.2f}M", f"{p['tokens_per_step']:,}",
              f"{p['median_step_s']:.3f} s", f"{p['tokens_per_sec']:,.0f}", mib(p["memory"]["total"]),
-             mib(p["memory"]["temporaries"]), mib(p["peak_rss"]),
+             mib(p["memory"]["temporaries"]), mib(p["peak_rss"]) if p["peak_rss"] else MISSING,
              mib(pred["memory_total"]) if pred else MISSING, ratio(p["memory"]["total"], pred.get("memory_total")),
              f"{pred['step_time_s']:.3f} s" if pred else MISSING, ratio(p["median_step_s"], pred.get("step_time_s")),
              str(p["steps_to_target"]) if reached else f"not reached in {p['steps']} steps",
@@ -207,7 +211,8 @@ def draw(sizes: list[dict], devices: list[dict], study, path: str):
     speed, memory, loss = (fig.add_subplot(2, 3, 3 * row + i + 1) for i in range(3))
     speed.plot(x, [p["tokens_per_sec"] for p in points], "o-", label="measured")
     memory.plot(x, [p["memory"]["total"] / 2**20 for p in points], "o-", label="compiled, per device")
-    memory.plot(x, [p["peak_rss"] / 2**20 for p in points], "s:", label="peak RSS, process")
+    if all(p["peak_rss"] for p in points):
+      memory.plot(x, [p["peak_rss"] / 2**20 for p in points], "s:", label="peak RSS, process")
     if all(p["predicted"] for p in points):
       speed.plot(x, [p["tokens_per_step"] / p["predicted"]["step_time_s"] for p in points], "x--", label="planner")
       memory.plot(x, [p["predicted"]["memory_total"] / 2**20 for p in points], "x--", label="planner")
