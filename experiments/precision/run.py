@@ -114,7 +114,7 @@ def train(cfg, workdir: str, device) -> dict:
   wall = time.perf_counter() - start
   rows = [r for r in jaxtrain.read_metrics(workdir) if "event" not in r and "loss" in r]
   timed = [r["step_time_s"] for r in rows[1:] if "eval_loss" not in r]  # not the first (compile), no evals
-  return {"workdir": workdir, "wall_s": wall, "loss": {r["step"]: r["loss"] for r in rows},
+  return {"workdir": os.path.relpath(workdir, ROOT), "wall_s": wall, "loss": {r["step"]: r["loss"] for r in rows},
           "eval_loss": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
           "train_median_step_s": statistics.median(timed) if timed else None,
           "eval_entropy_floor": next((r["eval_entropy_floor"] for r in rows if "eval_entropy_floor" in r), None)}
@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
   results["wall_s"] = time.perf_counter() - start
   results["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
   tables = format_tables(results)
-  workdirs = [results["runs"][a]["workdir"] for a in study.ARGS]
+  workdirs = [os.path.join(ROOT, results["runs"][a]["workdir"]) for a in study.ARGS]
   compared = format_table(*compare(workdirs), "md")
   print(tables + "\n\n" + compared, flush=True)
   with open(os.path.join(out, "results.json"), "w") as f:
