@@ -1,0 +1,57 @@
+"""What the planner knows of each device kind: memory, dense peak FLOP/s, link bandwidth, and the share of
+peak a training step reaches (a stated assumption, not a measurement, except on CPU: see EFFICIENCY).
+
+Peak FLOP/s come from `metrics.PEAK_FLOPS` (vendor datasheets, dense); on CPU from the matmul probe
+`metrics.peak_flops` (the whole host: virtual CPU devices share its cores)."""
+
+import dataclasses
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  kind: str
+  memory_bytes: float  # per device
+  peak_key: str  # the row of metrics.PEAK_FLOPS ("" = measured by the CPU probe)
+  link_bytes_s: float  # per device, one direction, within a node / slice (NVLink, ICI)
+  slow_link_bytes_s: float  # per device across the replica axis (InfiniBand / data-centre network)
+
+
+# Bandwidths: NVLink 4 (H100/H200) 900 GB/s and NVLink 3 (A100) 600 GB/s both directions; TPU v5p ICI
+# 4,800 Gbit/s per chip; 400 Gbit/s InfiniBand per GPU, 200 Gbit/s DCN per v5p chip. CPU: virtual devices copy
+# through host memory (an assumed 10 GB/s each on a shared 2-core host).
+DEVICES = {
+    "h100": Device("h100", 80 * GIB, "H100", 450e9, 50e9),
+    "h200": Device("h200", 141e9, "H200", 450e9, 50e9),
+    "a100": Device("a100", 80 * GIB, "A100", 300e9, 25e9),
+    "tpu-v5p": Device("tpu-v5p", 95 * GIB, "TPU v5p", 600e9, 25e9),
+    "cpu": Device("cpu", 8 * GIB, "", 10e9, 10e9),
+}
+KINDS = tuple(DEVICES)
+
+# Share of dense peak a train step reaches. Accelerators: 0.4, the model FLOPs utilization well-tuned dense
+# LLM runs report (PaLM 46%, Llama 3 38-43%, MaxText 40-60% at bf16). CPU: measured against the matmul
+# probe for configs/tiny.py and configs/small_20m.py on the 2-core development host (benchmarks/RESULTS.md,
+# "Planner"): CPU_OVERHEAD_S per layer and step covers the small, memory-bound ops that FLOPs do not count.
+EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.35}
+CPU_OVERHEAD_S = 0.0
+
+
+def detect() -> str:
+  """The device kind of the local default device (one of KINDS; anything unknown plans as cpu)."""
+  import jax
+  name = jax.local_devices()[0].device_kind.lower()
+  for kind, device in DEVICES.items():
+    if device.peak_key and device.peak_key.lower() in name:
+      return kind
+  return "cpu"
+
+
+def peak_flops(kind: str, dtype_name: str) -> tuple[float, str]:
+  """(peak FLOP/s of one device, where it came from). On CPU: the probe of the whole host."""
+  from jaxtrain import metrics
+  device = DEVICES[kind]
+  if device.peak_key:
+    return metrics.PEAK_FLOPS[device.peak_key][dtype_name], f"table:{device.peak_key}"
+  return metrics.peak_flops(dtype_name)
