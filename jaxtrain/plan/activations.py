@@ -1,12 +1,15 @@
-"""Per-device bytes of what one train step holds beside the state: gradients, the activations kept for the
-backward pass under the remat policy, attention and loss temporaries, and the optimizer's update buffers.
+"""Per-device bytes of what one train step holds beside the state, as two phases whose peak is the step's:
+the backward pass (gradients, the activations kept under the remat policy, one layer's backward temporaries,
+attention scores, the loss's logits) and the optimizer update (gradient, update and moment temporaries of
+every parameter together).
 
 Counts are per local token of one microbatch (B_local = batch / data-like ways / microbatches rows of L
-tokens), in units of the model's widths: D (embed), F (mlp), Q = (H + 2G) K (q, k, v), H K, and the
-attention scores H S per token. Which arrays each remat policy keeps follows jaxtrain/model/transformer.py
-(none: every residual jax's autodiff saves; dots: the outputs of matmuls, jax.checkpoint_policies.dots_saveable;
-full: the layer's input only, everything else recomputed in the backward pass). The coefficients below are
-those counts, checked (not fitted per case) against XLA:CPU's buffer assignment: benchmarks/RESULTS.md, "Planner".
+tokens) in units of the widths: D + HK (embed, q and attention out), F (mlp hidden), H S (the [B, H, L, S]
+scores of the xla implementation; H x block for blockwise and the fused kernels). Which arrays each remat
+policy keeps follows jaxtrain/model/transformer.py: SAVED. The scales (SCALE, TRANSIENT, the P and token
+factors) are XLA:CPU's buffer assignment, fitted on 24 compiled steps of 2- and 4-layer models and checked
+leaving each one out (benchmarks/RESULTS.md, "Planner"): the step memory_analysis() reports. Other backends
+fuse more; on them the prediction is an upper bound of the same shape, not a measurement.
 """
 
 import dataclasses
@@ -16,6 +19,19 @@ from jaxtrain.config import ModelConfig
 
 F32 = 4
 
+# Arrays of each width saved per layer and token for the backward pass: (D + HK, F, H S).
+#   none: x, h, x2, h2 and q, o (4 (D + HK) / 2); gate, up, silu(gate) * up (3 F); scores and probs (2 HS)
+#   dots: outputs of matmuls: q, k, v, attention out, o-proj, down-proj (3 (D + HK) / 2), gate, up (2 F), scores
+#   full: the layer's input (D + HK) / 2, everything else recomputed in the backward pass
+SAVED = {"none": (2.0, 3, 2), "dots": (1.5, 2, 1), "full": (0.5, 0, 0)}
+SCALE = {"none": 1.75, "dots": 1.0, "full": 5.0}  # XLA:CPU keeps that many copies (scan stacking, layouts)
+TRANSIENT = 1.2  # x (3, 3, 3): one layer's backward, its residuals recomputed and their gradients
+LOGITS = 1.2  # x [tokens, V] float32: logits and their gradient (full cross-entropy)
+GRADS = 2.0  # x params: the gradient and its accumulation (scan stacks the layers' gradients)
+GATHERED = 1.0  # x params x (fsdp - 1): the all-gathered weights of the fsdp axis
+OPTIMIZER = 4.2  # x params: gradient, update, and the moments' new values before they land in the state
+OPTIMIZER_TOKENS = 1.5  # x tokens x D x 4: what of the batch is still alive at the update
+
 
 @dataclasses.dataclass(frozen=True)
 class Widths:
@@ -23,23 +39,7 @@ class Widths:
   d: int  # embed
   f: int  # mlp hidden (dense) or the routed experts' per-token share (top_k x expert hidden, MoE)
   hk: int  # query heads x head dim
-  gk: int  # kv heads x head dim
   hs: int  # attention scores per token (heads x keys) for the materialized (xla) implementation
-
-
-# Arrays of each width saved per layer and token for the backward pass, by remat policy.
-#   none: x, h (attn_norm out), x2, h2 (4 D); q, o, and k, v repeated to every head (4 HK); k, v (2 GK);
-#         probs and the masked scores (2 HS); gate, up, silu(gate) * up (3 F)
-#   dots: outputs of matmuls: q, k, v (HK + 2 GK), scores (HS), attention out (HK), o-proj and down-proj out
-#         and the layer input (3 D), gate and up (2 F)
-#   full: the layer's input (D)
-SAVED = {
-    "none": {"d": 4, "hk": 4, "gk": 2, "hs": 2, "f": 3},
-    "dots": {"d": 3, "hk": 2, "gk": 2, "hs": 1, "f": 2},
-    "full": {"d": 1, "hk": 0, "gk": 0, "hs": 0, "f": 0},
-}
-# The backward pass of one layer at a time: its residuals (recomputed under remat) and their gradients live.
-TRANSIENT = {"d": 6, "hk": 6, "gk": 4, "hs": 3, "f": 5}
 
 
 def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str) -> Widths:
@@ -47,37 +47,32 @@ def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str) -> Widths:
   and fused kernels hold H x block)."""
   f = m.top_k * m.expert_d_ff + m.n_shared_experts * m.expert_d_ff if m.n_experts else m.d_ff
   keys = seq_len if attention == "xla" else min(m.attention_block, seq_len)
-  return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor,
-                m.n_kv_heads * m.head_dim // tensor, m.n_heads * keys // tensor)
+  return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor, m.n_heads * keys // tensor)
 
 
-def per_token(counts: dict, w: Widths) -> int:
-  return sum(counts[k] * getattr(w, k) for k in counts)
-
-
-def activation_bytes(m: ModelConfig, w: Widths, tokens: int, remat: str, act_bytes: int) -> dict:
-  """{"activations", "attention_temps"} for `tokens` local tokens of one microbatch: saved residuals of
-  every layer, and the one layer whose backward runs (its scores counted as attention temporaries)."""
-  saved = SAVED[remat]
-  layer = per_token({k: v for k, v in saved.items() if k != "hs"}, w)
-  transient = per_token({k: v for k, v in TRANSIENT.items() if k != "hs"}, w)
-  activations = tokens * act_bytes * (m.n_layers * layer + transient)
-  scores = tokens * F32 * w.hs * (m.n_layers * saved["hs"] + TRANSIENT["hs"])
-  return {"activations": activations, "attention_temps": scores}
+def backward_bytes(m: ModelConfig, w: Widths, tokens: int, remat: str, act_bytes: int) -> dict:
+  """{"activations", "attention_temps"} of the backward phase for `tokens` local tokens of one microbatch."""
+  s_d, s_f, s_s = SAVED[remat]
+  layers = m.n_layers * SCALE[remat]
+  activations = tokens * act_bytes * ((layers * s_d + 3 * TRANSIENT) * (w.d + w.hk) + (layers * s_f + 3 * TRANSIENT) * w.f)
+  scores = tokens * F32 * w.hs * (layers * s_s + 3 * TRANSIENT)
+  return {"activations": int(activations), "attention_temps": int(scores)}
 
 
 def loss_bytes(tokens: int, vocab: int, tensor: int, impl: str, token_chunk: int, vocab_chunk: int) -> int:
   """The [tokens, V] float32 logits and their gradient (full), or one tile of them (chunked, pallas)."""
   v = -(-vocab // tensor)
-  if impl == "full":
-    return 2 * tokens * v * F32
-  return 2 * min(tokens, token_chunk) * min(v, vocab_chunk) * F32
+  if impl != "full":
+    tokens, v = min(tokens, token_chunk), min(v, vocab_chunk)
+  return int(LOGITS * tokens * v * F32)
 
 
-def optimizer_temp_bytes(params_bytes: int, name: str) -> int:
-  """The gradient (float32, sharded like the params) and the optimizer's update buffers."""
-  extra = {"adamw": 1.0, "muon": 2.0}[name]
-  return int(params_bytes * (1 + extra))
+def grads_bytes(params_bytes: int, fsdp: int, microbatches: int) -> int:
+  return int(params_bytes * (GRADS + (microbatches > 1)) + GATHERED * params_bytes * (fsdp - 1))
+
+
+def optimizer_bytes(params_bytes: int, tokens: int, d_model: int) -> int:
+  return int(OPTIMIZER * params_bytes + OPTIMIZER_TOKENS * tokens * d_model * F32)
 
 
 def microbatch_tokens(batch: int, seq_len: int, data_ways: int, context: int, microbatches: int) -> int:

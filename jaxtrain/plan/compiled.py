@@ -42,3 +42,26 @@ def compiled_memory(cfg, devices=None) -> dict:
   out = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
   out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
   return out
+
+
+def measured_step_time(cfg, steps: int = 5, devices=None) -> float:
+  """Median wall time (seconds) of `steps` train steps of `cfg` after a warm-up step, on real arrays: the
+  step as the loop compiles it, the state born sharded, one real batch (fed once, reused)."""
+  import statistics
+  import time
+  devices = jax.devices() if devices is None else devices
+  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
+  batch = feed.put(next(task.batches("train", feed.lo, feed.hi)))
+  state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+    state, out = train_fn(state, batch)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      state, out = train_fn(state, batch)
+      jax.block_until_ready(out)
+      times.append(time.perf_counter() - start)
+  return statistics.median(times)

@@ -15,8 +15,9 @@ from jaxtrain.model.transformer import active_mlp_params
 from jaxtrain.plan import activations as act, devices as devices_lib
 from jaxtrain.plan.state_bytes import state_bytes
 
-MEMORY_KEYS = ("params", "grads", "opt_state", "optimizer_temps", "activations", "attention_temps",
-               "loss_temps", "batch", "total")
+MEMORY_KEYS = ("params", "opt_state", "batch", "grads", "activations", "attention_temps", "loss_temps",
+               "optimizer_temps", "total")
+BACKWARD = ("grads", "activations", "attention_temps", "loss_temps")  # the backward phase; its peak or the update's
 BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu", "cpu": "cpu"}
 
 
@@ -63,14 +64,14 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind))
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
-  grads = sb["params"] * (2 if t.microbatches > 1 else 1)  # the accumulated sum and one microbatch's
-  out["grads"] = grads
-  out["optimizer_temps"] = act.optimizer_temp_bytes(sb["params"], cfg.optim.name) - sb["params"]
-  out.update(act.activation_bytes(m, w, tokens, m.remat, dtype_bytes))
+  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, t.microbatches)
+  out.update(act.backward_bytes(m, w, tokens, m.remat, dtype_bytes))
   out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy, t.ce_token_chunk,
                                      t.ce_vocab_chunk)
+  out["optimizer_temps"] = act.optimizer_bytes(sb["params"], tokens, m.d_model)
   out["batch"] = 24 * tokens * t.microbatches  # inputs, targets, segment ids, positions, mask, entropy
-  out["total"] = sum(out[k] for k in MEMORY_KEYS[:-1])
+  backward = sum(out[k] for k in BACKWARD)
+  out["total"] = out["params"] + out["opt_state"] + out["batch"] + max(backward, out["optimizer_temps"])
   return {k: int(out[k]) for k in MEMORY_KEYS}, sb["n_params"]
 
 
@@ -192,7 +193,9 @@ def format_table(p: Plan) -> str:
   mesh = " ".join(f"{a}={n}" for a, n in p.mesh.items() if n > 1) or "one device"
   rows = [("device", f"{p.n_devices} x {p.device_kind} ({mesh})"),
           ("params", f"{p.n_params:,}"), ("batch", f"{p.batch_size} x {p.microbatches} microbatch(es)")]
-  rows += [(f"memory.{k}", gib(p.memory[k])) for k in MEMORY_KEYS]
+  phase = "backward" if sum(p.memory[k] for k in BACKWARD) >= p.memory["optimizer_temps"] else "optimizer update"
+  rows += [(f"memory.{k}", gib(p.memory[k])) for k in MEMORY_KEYS[:-1]]
+  rows += [("memory.total", f"{gib(p.memory['total'])} (state + batch + the {phase}, the larger phase)")]
   rows += [("device memory", gib(p.device_memory_bytes)), ("fits", "yes" if p.fits else "NO"),
            ("flops/step", f"{p.flops_per_step:.3g}"),
            ("compute", f"{p.compute_time_s:.3g} s at {p.efficiency:.0%} of {p.peak_flops:.3g} FLOP/s ({p.peak_source})"),
