@@ -16,7 +16,7 @@ from tests.fixtures import ROOT
 PACKAGE = os.path.join(ROOT, "jaxtrain")
 # A module's layer is its first name under jaxtrain; modules in one layer may import each other.
 LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels"}, {"model"}, {"parallel"},
-          {"optim"}, {"train"}, {"posttrain"}]
+          {"optim"}, {"train", "plan"}, {"posttrain"}]  # plan: the planner, built on train's builders
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by train and later layers
 INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.pretrained", "jaxtrain.checkpoint.convert"}
 ROOTS = {None, "__main__"}  # the package face and the CLI may import anything of jaxtrain

@@ -25,6 +25,10 @@ F32 = 4
 #   full: the layer's input (D + HK) / 2, everything else recomputed in the backward pass
 SAVED = {"none": (2.0, 3, 2), "dots": (1.5, 2, 1), "full": (0.5, 0, 0)}
 SCALE = {"none": 1.75, "dots": 1.0, "full": 5.0}  # XLA:CPU keeps that many copies (scan stacking, layouts)
+# Unrolled layers (scan_layers=False): remat changes nothing on XLA:CPU (nn.remat's prevent_cse=False lets XLA
+# merge the recomputation with the forward pass outside a scan; measured: none, dots and full compile to the
+# same bytes), so every policy keeps what "none" keeps, UNROLLED times, and the gradient is not stacked.
+UNROLLED = 1.25
 TRANSIENT = 1.2  # x (3, 3, 3): one layer's backward, its residuals recomputed and their gradients
 LOGITS = 1.2  # x [tokens, V] float32: logits and their gradient (full cross-entropy)
 GRADS = 2.0  # x params: the gradient and its accumulation (scan stacks the layers' gradients)
@@ -50,10 +54,11 @@ def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str) -> Widths:
   return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor, m.n_heads * keys // tensor)
 
 
-def backward_bytes(m: ModelConfig, w: Widths, tokens: int, remat: str, act_bytes: int) -> dict:
+def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int) -> dict:
   """{"activations", "attention_temps"} of the backward phase for `tokens` local tokens of one microbatch."""
+  remat = m.remat if m.scan_layers else "none"
   s_d, s_f, s_s = SAVED[remat]
-  layers = m.n_layers * SCALE[remat]
+  layers = m.n_layers * (SCALE[remat] if m.scan_layers else UNROLLED)
   activations = tokens * act_bytes * ((layers * s_d + 3 * TRANSIENT) * (w.d + w.hk) + (layers * s_f + 3 * TRANSIENT) * w.f)
   scores = tokens * F32 * w.hs * (layers * s_s + 3 * TRANSIENT)
   return {"activations": int(activations), "attention_temps": int(scores)}
@@ -67,8 +72,9 @@ def loss_bytes(tokens: int, vocab: int, tensor: int, impl: str, token_chunk: int
   return int(LOGITS * tokens * v * F32)
 
 
-def grads_bytes(params_bytes: int, fsdp: int, microbatches: int) -> int:
-  return int(params_bytes * (GRADS + (microbatches > 1)) + GATHERED * params_bytes * (fsdp - 1))
+def grads_bytes(params_bytes: int, fsdp: int, microbatches: int, scan_layers: bool) -> int:
+  grads = GRADS if scan_layers else UNROLLED
+  return int(params_bytes * (grads + (microbatches > 1)) + GATHERED * params_bytes * (fsdp - 1))
 
 
 def optimizer_bytes(params_bytes: int, tokens: int, d_model: int) -> int:

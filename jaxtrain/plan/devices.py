@@ -31,11 +31,11 @@ DEVICES = {
 KINDS = tuple(DEVICES)
 
 # Share of dense peak a train step reaches. Accelerators: 0.4, the model FLOPs utilization well-tuned dense
-# LLM runs report (PaLM 46%, Llama 3 38-43%, MaxText 40-60% at bf16). CPU: measured against the matmul
-# probe for configs/tiny.py and configs/small_20m.py on the 2-core development host (benchmarks/RESULTS.md,
-# "Planner"): CPU_OVERHEAD_S per layer and step covers the small, memory-bound ops that FLOPs do not count.
-EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.35}
-CPU_OVERHEAD_S = 0.0
+# LLM runs report (PaLM 46%, Llama 3 38-43%), an assumption until measured there. CPU: measured against the
+# matmul probe (the fastest of 7 runs of a 2048^3 float32 matmul, taken in the same process, so that a loaded
+# host slows both alike): configs/tiny.py reached 0.300 and configs/small_20m.py 0.275 of it on the 2-core
+# development host, 8 virtual devices (benchmarks/RESULTS.md, "Planner").
+EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.29}
 
 
 def detect() -> str:

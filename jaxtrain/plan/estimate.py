@@ -64,8 +64,9 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind))
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
-  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, t.microbatches)
-  out.update(act.backward_bytes(m, w, tokens, m.remat, dtype_bytes))
+  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, t.microbatches,
+                                 m.scan_layers)
+  out.update(act.backward_bytes(m, w, tokens, dtype_bytes))
   out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy, t.ce_token_chunk,
                                      t.ce_vocab_chunk)
   out["optimizer_temps"] = act.optimizer_bytes(sb["params"], tokens, m.d_model)
@@ -128,7 +129,7 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
   peak, source = devices_lib.peak_flops(device_kind, cfg.model.compute_dtype)
   eff = devices_lib.EFFICIENCY[device_kind]
   if device_kind == "cpu":  # one host: its virtual devices share the cores the probe measured
-    compute = flops / (peak * eff) + devices_lib.CPU_OVERHEAD_S * cfg.model.n_layers * cfg.train.microbatches
+    compute = flops / (peak * eff)
   else:
     compute = flops / n_devices / (peak * eff)
   fast, slow = comm_bytes(cfg, shape, memory)

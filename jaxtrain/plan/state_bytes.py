@@ -24,6 +24,8 @@ def _shard_bytes(shape, dtype, mesh_axes, mesh_shape: dict) -> int:
 
 
 _cache = {}
+# model keys that change how the step computes, never the state's shapes (the suggestions try them)
+SHAPELESS = ("remat", "attention", "attention_block", "scan_layers", "fused_norm", "fp8")
 
 
 def state_bytes(cfg, mesh_shape: dict) -> dict:
@@ -31,7 +33,8 @@ def state_bytes(cfg, mesh_shape: dict) -> dict:
   config's rules (other: step, RNG, non-trainable and task state), and the parameter count. Cached: the
   batch does not change the state, and the batch search asks many times."""
   d = cfg.to_dict()
-  d["train"] = {k: v for k, v in d["train"].items() if k not in ("batch_size", "microbatches")}
+  d["model"] = {k: v for k, v in d["model"].items() if k not in SHAPELESS}
+  d["train"] = {k: d["train"][k] for k in ("seq_len", "task")}
   key = json.dumps([d, mesh_shape], sort_keys=True, default=str)
   if key not in _cache:
     _cache[key] = _state_bytes(cfg, mesh_shape)

@@ -25,11 +25,9 @@ def sharded_bytes(tree, shardings) -> int:
 
 
 @pytest.mark.parametrize("mesh, comm", [
-    ({"data": -1}, {}),
-    ({"data": 2, "fsdp": -1}, {}),
     ({"data": 2, "fsdp": 2, "tensor": -1, "rules": "fsdp_tp"}, {}),
     ({"data": 1, "replica": 2, "fsdp": -1}, {"format": "int8", "error_feedback": "ef"}),  # per-shard residuals
-])
+], ids=["fsdp_tp", "fsdp-compressed-ef"])
 def test_state_bytes_equal_the_loops_shards(mesh, comm):
   cfg = tiny_config(mesh=mesh, comm=comm)
   cfg.mesh.update(data=mesh.get("data", 1))
