@@ -185,7 +185,7 @@ def _plan(cfg, args) -> int:
   n = jax.device_count() if args.devices is None else args.devices
   kind = args.device_kind or plan_devices.detect()
   gib = args.device_memory_gib or cfg.train.device_memory_gib
-  limit = gib * 2**30 if gib else plan_devices.DEVICES[kind].memory_bytes
+  limit = gib * 2**30 if gib else plan_devices.memory_bytes(kind, n)
   if config_lib.AUTO in (cfg.train.batch_size, cfg.train.microbatches):
     if n < 1:
       raise config_lib.ConfigError(f"--devices must be >= 1, got {n}")

@@ -50,6 +50,8 @@ def allowed(module: str, src, dst) -> bool:
     return dst in ("config", "errors", "model")
   if src in SINKS:
     return dst in ("config", "errors")
+  if dst not in SINKS and rank(dst) == rank(src):  # modules in one layer may import each other
+    return True
   if dst in SINKS:
     return rank(src) >= rank("train")
   return src not in SINKS and rank(dst) < rank(src)

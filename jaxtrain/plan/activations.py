@@ -54,11 +54,16 @@ def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str) -> Widths:
   return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor, m.n_heads * keys // tensor)
 
 
+def scanned(m: ModelConfig) -> bool:
+  """Whether the layers run as a loop: a scan of one layer is no loop (XLA removes a trip count of one)."""
+  return m.scan_layers and m.n_layers > 1
+
+
 def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int) -> dict:
   """{"activations", "attention_temps"} of the backward phase for `tokens` local tokens of one microbatch."""
-  remat = m.remat if m.scan_layers else "none"
+  remat = m.remat if scanned(m) else "none"
   s_d, s_f, s_s = SAVED[remat]
-  layers = m.n_layers * (SCALE[remat] if m.scan_layers else UNROLLED)
+  layers = m.n_layers * (SCALE[remat] if scanned(m) else UNROLLED)
   activations = tokens * act_bytes * ((layers * s_d + 3 * TRANSIENT) * (w.d + w.hk) + (layers * s_f + 3 * TRANSIENT) * w.f)
   scores = tokens * F32 * w.hs * (layers * s_s + 3 * TRANSIENT)
   return {"activations": int(activations), "attention_temps": int(scores)}
@@ -72,8 +77,8 @@ def loss_bytes(tokens: int, vocab: int, tensor: int, impl: str, token_chunk: int
   return int(LOGITS * tokens * v * F32)
 
 
-def grads_bytes(params_bytes: int, fsdp: int, microbatches: int, scan_layers: bool) -> int:
-  grads = GRADS if scan_layers else UNROLLED
+def grads_bytes(params_bytes: int, fsdp: int, microbatches: int, loop: bool) -> int:
+  grads = GRADS if loop else UNROLLED
   return int(params_bytes * (grads + (microbatches > 1)) + GATHERED * params_bytes * (fsdp - 1))
 
 

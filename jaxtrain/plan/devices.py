@@ -26,16 +26,31 @@ DEVICES = {
     "h200": Device("h200", 141e9, "H200", 450e9, 50e9),
     "a100": Device("a100", 80 * GIB, "A100", 300e9, 25e9),
     "tpu-v5p": Device("tpu-v5p", 95 * GIB, "TPU v5p", 600e9, 25e9),
-    "cpu": Device("cpu", 8 * GIB, "", 10e9, 10e9),
+    "cpu": Device("cpu", 0, "", 10e9, 10e9),  # memory: the host's RAM shared by its devices (memory_bytes)
 }
 KINDS = tuple(DEVICES)
 
 # Share of dense peak a train step reaches. Accelerators: 0.4, the model FLOPs utilization well-tuned dense
 # LLM runs report (PaLM 46%, Llama 3 38-43%), an assumption until measured there. CPU: measured against the
 # matmul probe (the fastest of 7 runs of a 2048^3 float32 matmul, taken in the same process, so that a loaded
-# host slows both alike): configs/tiny.py reached 0.300 and configs/small_20m.py 0.275 of it on the 2-core
-# development host, 8 virtual devices (benchmarks/RESULTS.md, "Planner").
+# host slows both alike) on the 2-core development host (benchmarks/RESULTS.md, "Planner"): with virtual
+# devices sharing the cores (each partition runs its ops on its own, meeting at every collective) tiny reached
+# 0.27-0.40 and small_20m 0.22-0.28; one device running small_20m (XLA's intra-op threads on every core)
+# 0.39-0.53, while tiny on one device reached only 0.23 (its small matmuls), which the planner over-predicts.
 EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.29}
+CPU_ONE_DEVICE_EFFICIENCY = 0.45
+
+
+def efficiency(kind: str, n_devices: int) -> float:
+  return CPU_ONE_DEVICE_EFFICIENCY if kind == "cpu" and n_devices == 1 else EFFICIENCY[kind]
+
+
+def memory_bytes(kind: str, n_devices: int) -> float:
+  """Per-device memory of `kind`; CPU devices (virtual ones included) share the host's RAM."""
+  if kind != "cpu":
+    return DEVICES[kind].memory_bytes
+  import os
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(n_devices, 1)
 
 
 def detect() -> str:

@@ -65,7 +65,7 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
   out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, t.microbatches,
-                                 m.scan_layers)
+                                 act.scanned(m))
   out.update(act.backward_bytes(m, w, tokens, dtype_bytes))
   out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy, t.ce_token_chunk,
                                      t.ce_vocab_chunk)
@@ -123,11 +123,11 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
     raise config_lib.ConfigError(f"devices must be >= 1, got {n_devices}")
   shape = config_lib.validate(cfg, n_devices)
   device = devices_lib.DEVICES[device_kind]
-  limit = device.memory_bytes if device_memory_bytes is None else device_memory_bytes
+  limit = devices_lib.memory_bytes(device_kind, n_devices) if device_memory_bytes is None else device_memory_bytes
   memory, n_params = memory_bytes(cfg, shape, device_kind)
   flops = flops_per_step(cfg)
   peak, source = devices_lib.peak_flops(device_kind, cfg.model.compute_dtype)
-  eff = devices_lib.EFFICIENCY[device_kind]
+  eff = devices_lib.efficiency(device_kind, n_devices)
   if device_kind == "cpu":  # one host: its virtual devices share the cores the probe measured
     compute = flops / (peak * eff)
   else:

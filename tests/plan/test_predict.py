@@ -10,7 +10,7 @@ import pytest
 
 from jaxtrain import config as config_lib, config_files, metrics
 from jaxtrain.__main__ import main
-from jaxtrain.plan import auto, estimate, predict
+from jaxtrain.plan import auto, devices, estimate, predict
 from jaxtrain.plan.state_bytes import state_bytes
 from jaxtrain.train import loop, state as state_lib
 from tests.fixtures import tiny_config
@@ -65,6 +65,7 @@ def test_flops_count_tokens_remat_and_time():
                                                                          else 67e12) / 0.4)
   assert predict(tiny_config(model={"remat": "full"}, train={"batch_size": 64}), 64, "h100").flops_per_step \
       > plan.flops_per_step
+  assert devices.efficiency("cpu", 1) > devices.efficiency("cpu", 8)
 
 
 def test_what_does_not_fit_says_which_change_would():
@@ -84,7 +85,7 @@ def test_auto_picks_the_largest_predicted_batch():
   limit = 64 * 2**20
   choice = auto.choose(cfg, 8, "h100", limit)
   assert choice["step"] == 8 and choice["batch_size"] % 8 == 0
-  at = lambda b: predict(auto.with_train(cfg, batch_size=b), 8, "h100", limit).fits
+  at = lambda b: predict(auto.with_train(cfg, batch_size=b), 8, "h100").memory["total"] <= (1 - auto.MARGIN) * limit
   assert at(choice["batch_size"]) and not at(choice["batch_size"] + 8)
 
 
@@ -117,3 +118,11 @@ def test_cli_bad_input_is_one_line(argv, message, capsys):
   assert main(["plan", "--config=configs/tiny.py", "--device_kind=h100", *argv]) == 2
   err = capsys.readouterr().err
   assert message in err and err.count("\n") == 1
+
+
+def test_cli_resolves_auto_by_prediction(capsys):
+  assert main(["plan", "--config=configs/tiny.py", "--devices=8", "--device_kind=h100", "--device_memory_gib=0.05",
+               "--config.train.batch_size=auto"]) == 0
+  out = capsys.readouterr().out
+  batch = int(out.split("train.batch_size=")[1].split()[0])
+  assert batch % 8 == 0 and any(line.split() == ["fits", "yes"] for line in out.splitlines())
