@@ -64,12 +64,12 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind))
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
-  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, t.microbatches,
-                                 act.scanned(m))
-  out.update(act.backward_bytes(m, w, tokens, dtype_bytes))
+  k = act.XLA_CPU if kind == "cpu" else act.BY_COUNT
+  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, m, t.microbatches, k)
+  out.update(act.backward_bytes(m, w, tokens, dtype_bytes, k))
   out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy, t.ce_token_chunk,
-                                     t.ce_vocab_chunk)
-  out["optimizer_temps"] = act.optimizer_bytes(sb["params"], tokens, m.d_model)
+                                     t.ce_vocab_chunk, k)
+  out["optimizer_temps"] = act.optimizer_bytes(sb["params"], tokens, m.d_model, k)
   out["batch"] = 24 * tokens * t.microbatches  # inputs, targets, segment ids, positions, mask, entropy
   backward = sum(out[k] for k in BACKWARD)
   out["total"] = out["params"] + out["opt_state"] + out["batch"] + max(backward, out["optimizer_temps"])
