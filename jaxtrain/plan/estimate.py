@@ -98,7 +98,7 @@ def comm_bytes(cfg, shape: dict, memory: dict) -> tuple[float, float]:
   gathered = memory["params"] * fs
   fast = 3 * mb * ring(fs) * gathered if cfg.mesh.rules != "dp" else 0.0
   grads = memory["params"]
-  fast += 2 * ring(shape["data"] * shape["expert"]) * grads
+  fast += 2 * ring(shape["data"] * shape["expert"] * (fs if cfg.mesh.rules == "dp" else 1)) * grads
   slow = 2 * ring(shape["replica"]) * grads
   if config_lib.compressing(cfg.comm):
     slow *= {"f32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}[cfg.comm.format] / 32
