@@ -1,8 +1,8 @@
 """What the planner knows of each device kind: memory, dense peak FLOP/s, link bandwidth, and the share of
 peak a training step reaches (a stated assumption, not a measurement, except on CPU: see EFFICIENCY).
 
-Peak FLOP/s come from `metrics.PEAK_FLOPS` (vendor datasheets, dense); on CPU from a matmul probe of the
-whole host (virtual CPU devices share its cores)."""
+Peak FLOP/s come from `metrics.PEAK_FLOPS` (vendor datasheets, dense); on CPU from the matmul probe
+`metrics.peak_flops` (the whole host: virtual CPU devices share its cores)."""
 
 import dataclasses
 
@@ -31,14 +31,14 @@ DEVICES = {
 KINDS = tuple(DEVICES)
 
 # Share of dense peak a train step reaches. Accelerators: 0.4, the model FLOPs utilization well-tuned dense
-# LLM runs report (PaLM 46%, Llama 3 38-43%), an assumption until measured there. CPU: against the median of a
-# 2048^3 float32 matmul probe taken in the same process (a median, unlike metrics.peak_flops's fastest run, so
-# that a loaded host slows the probe as it slows the steps), measured on the 2-core development host
-# (benchmarks/RESULTS.md, "Planner"): virtual devices sharing the cores (each partition runs its ops on its own,
-# meeting at every collective) ran tiny at 0.42; one device (XLA's intra-op threads on every core) ran
-# small_20m at 0.77 of the probe's fastest run.
-EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.4}
-CPU_ONE_DEVICE_EFFICIENCY = 0.7
+# LLM runs report (PaLM 46%, Llama 3 38-43%), an assumption until measured there. CPU: against the matmul probe
+# metrics.peak_flops (the fastest of 7 runs of a 2048^3 float32 matmul, the loop's MFU denominator), measured
+# on the 2-core development host shared with other jobs (benchmarks/RESULTS.md, "Planner"): virtual devices
+# sharing the cores ran tiny at 0.27-0.42 over five runs (each partition runs its ops on its own, meeting at
+# every collective), small_20m at 0.22-0.28; one device (XLA's intra-op threads on every core) ran small_20m
+# at 0.39-0.77 and tiny at 0.21-0.23. The host's load moves these run to run; the values below are the middles.
+EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.34}
+CPU_ONE_DEVICE_EFFICIENCY = 0.5
 
 
 def efficiency(kind: str, n_devices: int) -> float:
@@ -63,33 +63,10 @@ def detect() -> str:
   return "cpu"
 
 
-_probed = {}
-
-
 def peak_flops(kind: str, dtype_name: str) -> tuple[float, str]:
-  """(peak FLOP/s of one device, where it came from). On CPU: the median of a matmul probe of the whole host
-  (cached per process)."""
+  """(peak FLOP/s of one device, where it came from). On CPU: metrics.peak_flops's probe of the whole host."""
+  from jaxtrain import metrics
   device = DEVICES[kind]
   if device.peak_key:
-    from jaxtrain import metrics
     return metrics.PEAK_FLOPS[device.peak_key][dtype_name], f"table:{device.peak_key}"
-  if dtype_name not in _probed:
-    _probed[dtype_name] = _probe(dtype_name)
-  return _probed[dtype_name], "probe:cpu median"
-
-
-def _probe(dtype_name: str, n: int = 2048, repeats: int = 7) -> float:
-  import statistics
-  import time
-
-  import jax
-  import jax.numpy as jnp
-  a = jnp.ones((n, n), dtype_name)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / statistics.median(times)
+  return metrics.peak_flops(dtype_name)

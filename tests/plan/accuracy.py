@@ -43,7 +43,7 @@ def step_time_rows():
   from jaxtrain import config_files
   from jaxtrain.plan import predict
   from jaxtrain.plan.compiled import measured_step_time
-  yield "| config | devices | predicted s | measured s (median of 3) | predicted / measured | achieved / probe median |"
+  yield "| config | devices | predicted s | measured s (median of 3) | predicted / measured | achieved / probe peak |"
   yield "|---|---|---|---|---|---|"
   for spec, overrides, n in STEP_TIME:
     cfg = config_files.apply_overrides(config_files.load_config_file(spec), overrides)
