@@ -121,6 +121,9 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
     raise config_lib.ConfigError(f"device kind {device_kind!r}: choose one of {', '.join(devices_lib.KINDS)}")
   if n_devices < 1:
     raise config_lib.ConfigError(f"devices must be >= 1, got {n_devices}")
+  if config_lib.AUTO in (cfg.train.batch_size, cfg.train.microbatches):
+    raise config_lib.ConfigError("predict needs a batch: train.batch_size/microbatches=auto are chosen by "
+                                 "jaxtrain.plan.auto.choose (the CLI does so first)")
   shape = config_lib.validate(cfg, n_devices)
   device = devices_lib.DEVICES[device_kind]
   limit = devices_lib.memory_bytes(device_kind, n_devices) if device_memory_bytes is None else device_memory_bytes
