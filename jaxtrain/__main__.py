@@ -1,4 +1,4 @@
-"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm} ...
+"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm,plan} ...
 Parses flags, loads the config, calls the library.
 
 Bad flags and bad values end with one line on stderr and exit status 2."""
@@ -8,6 +8,7 @@ import os
 import sys
 
 from jaxtrain import config as config_lib, config_files, errors
+from jaxtrain.plan import devices as plan_devices
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,10 +81,17 @@ def parse(argv):
   comm.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   comm.add_argument("--project", action="store_true",
                     help="also a projected (modelled, not measured) utilization on 1/10/100 Gbit/s links")
+  plan = sub.add_parser("plan", help="predict per-device memory and step time of a config on a mesh, before any run "
+                                     "(nothing compiled, no devices needed)")
+  plan.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+  plan.add_argument("--devices", type=int, default=None, metavar="N", help="default: this machine's device count")
+  plan.add_argument("--device_kind", choices=plan_devices.KINDS, default=None, help="default: this machine's")
+  plan.add_argument("--device_memory_gib", type=float, default=None, metavar="G",
+                    help="per-device memory (default: train.device_memory_gib if set, else the device kind's)")
   return parser.parse_args(rest), overrides
 
 
-CONFIG_COMMANDS = ("train", "prepare", "comm")  # the commands that take --config and --config.* overrides
+CONFIG_COMMANDS = ("train", "prepare", "comm", "plan")  # the commands that take --config and --config.* overrides
 DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                    "process_id": "JAX_PROCESS_ID", "local_device_ids": "JAX_LOCAL_DEVICE_IDS"}
 
@@ -166,11 +174,36 @@ def _prepare(cfg, workdir: str) -> int:
   return 0
 
 
+def _plan(cfg, args) -> int:
+  """Prints the planner's table for `cfg` (train.batch_size/microbatches=auto: the planner's choice first)."""
+  if args.device_kind:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning for named devices: leave accelerators alone
+  if args.device_memory_gib is not None and args.device_memory_gib <= 0:
+    raise config_lib.ConfigError(f"--device_memory_gib must be positive, got {args.device_memory_gib}")
+  import jax
+  from jaxtrain.plan import auto, predict
+  n = jax.device_count() if args.devices is None else args.devices
+  kind = args.device_kind or plan_devices.detect()
+  gib = args.device_memory_gib or cfg.train.device_memory_gib
+  limit = gib * 2**30 if gib else plan_devices.memory_bytes(kind, n)
+  if config_lib.AUTO in (cfg.train.batch_size, cfg.train.microbatches):
+    if n < 1:
+      raise config_lib.ConfigError(f"--devices must be >= 1, got {n}")
+    choice = auto.choose(cfg, n, kind, limit)
+    cfg = auto.with_train(cfg, batch_size=choice["batch_size"], microbatches=choice["microbatches"])
+    print(f"auto (predicted, not compiled): train.batch_size={choice['batch_size']} "
+          f"train.microbatches={choice['microbatches']}")
+  print(predict(cfg, n, kind, limit).table())
+  return 0
+
+
 def main(argv=None) -> int:
   try:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     if args.command in CONFIG_COMMANDS:
       cfg = config_files.apply_overrides(config_files.load_config_file(args.config), overrides)
+      if args.command == "plan":
+        return _plan(cfg, args)
       distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
       if distributed is not None:  # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line

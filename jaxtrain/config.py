@@ -61,6 +61,12 @@ ADVANTAGE_SCALES = ("std", "none")  # grpo: group advantages / (group std + eps)
 PREFERENCE_LOSSES = ("dpo", "ipo", "simpo")  # jaxtrain/posttrain/preference.py
 
 
+# train.batch_size and train.microbatches may be "auto": the planner picks the largest batch (the fewest
+# microbatches) that fits train.device_memory_gib, confirmed by a compile (jaxtrain/plan/auto.py)
+AUTO = "auto"
+AUTO_KEYS = ("train.batch_size", "train.microbatches")
+
+
 class ConfigError(ValueError):
   """A config value that cannot run; the message is one line for the user."""
 
@@ -161,6 +167,7 @@ def default_config() -> ml_collections.ConfigDict:
   t.seq_len = 128
   t.seed = 0
   t.microbatches = 1
+  t.device_memory_gib = 0.0  # batch_size/microbatches=auto: the per-device limit; 0 = the device's own (CPU: set it)
   t.log_every = 20
   t.eval_every = 200
   t.eval_batches = 4
@@ -345,8 +352,11 @@ def validate(cfg, device_count: int) -> dict[str, int]:
       raise ConfigError(f"model.{key} must be positive, got {m[key]}")
   for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s", "ce_token_chunk",
               "ce_vocab_chunk"):
-    if t[key] <= 0:
-      raise ConfigError(f"train.{key} must be positive, got {t[key]}")
+    if t[key] == AUTO and f"train.{key}" in AUTO_KEYS:
+      continue
+    if isinstance(t[key], str) or t[key] <= 0:
+      raise ConfigError(f"train.{key} must be positive{' or auto' if f'train.{key}' in AUTO_KEYS else ''}, "
+                        f"got {t[key]!r}")
   if t.gpu_hour_price < 0:
     raise ConfigError(f"train.gpu_hour_price must be >= 0 (0 = no cost estimate), got {t.gpu_hour_price}")
   if m.n_heads % m.n_kv_heads:
@@ -360,7 +370,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   if t.seq_len > m.max_seq_len:
     raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}")
   data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
-  if t.batch_size % (data_ways * t.microbatches):
+  if AUTO not in (t.batch_size, t.microbatches) and t.batch_size % (data_ways * t.microbatches):
     raise ConfigError(
         f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) "
         f"over the {data_ways} data-parallel devices (replica*data*fsdp*expert)")
@@ -405,6 +415,7 @@ FLOAT_RANGES = {
     "optim.eps": (0.0, math.inf, False), "optim.weight_decay": (0.0, math.inf, True),
     "optim.grad_clip": (0.0, math.inf, True), "optim.min_lr_ratio": (0.0, 1.0, True),
     "optim.decay_fraction": (0.0, 1.0, True), "train.z_loss": (0.0, math.inf, True),
+    "train.device_memory_gib": (0.0, math.inf, True),
     "data.eval_fraction": (0.0, 1.0, True), "sample.temperature": (0.0, math.inf, True),
     "diloco.outer_lr": (0.0, math.inf, False), "diloco.outer_momentum": (0.0, 1.0, True),
     "diloco.mix": (0.0, 1.0, True), "diloco.drop_prob": (0.0, 1.0, True),
@@ -595,7 +606,8 @@ def validate_rope(m) -> None:
 RESUMABLE_CHANGES = ("mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
                      "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
                      "train.eval_batches", "train.microbatches", "data.prefetch", "data.prepare_workers",
-                     "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price")
+                     "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price",
+                     "train.device_memory_gib")
 
 
 def flat(d: dict, prefix: str = "") -> dict:

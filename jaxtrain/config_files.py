@@ -7,7 +7,7 @@ import os
 
 import ml_collections
 
-from jaxtrain.config import ConfigError
+from jaxtrain.config import AUTO, AUTO_KEYS, ConfigError
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
@@ -62,5 +62,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
       node = node[part]
     if leaf not in node or isinstance(node[leaf], ml_collections.ConfigDict):
       raise ConfigError(f"--config.{key}: unknown config key")
+    if text == AUTO and key in AUTO_KEYS:  # an int key that the planner may choose
+      with node.ignore_type():
+        node[leaf] = text
+      continue
     node[leaf] = _parse_value(key, text, node[leaf])
   return cfg

@@ -16,7 +16,7 @@ from tests.fixtures import ROOT
 PACKAGE = os.path.join(ROOT, "jaxtrain")
 # A module's layer is its first name under jaxtrain; modules in one layer may import each other.
 LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels"}, {"model"}, {"parallel"},
-          {"optim"}, {"train"}, {"posttrain"}, {"plotting"}]
+          {"optim"}, {"train", "plan"}, {"posttrain"}, {"plotting"}]  # plan: the planner, built on train's builders
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by train and later layers
 INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.pretrained", "jaxtrain.checkpoint.convert"}
 ROOTS = {None, "__main__"}  # the package face and the CLI may import anything of jaxtrain
@@ -50,6 +50,8 @@ def allowed(module: str, src, dst) -> bool:
     return dst in ("config", "errors", "model")
   if src in SINKS:
     return dst in ("config", "errors")
+  if dst not in SINKS and rank(dst) == rank(src):  # modules in one layer may import each other
+    return True
   if dst in SINKS:
     return rank(src) >= rank("train")
   return src not in SINKS and rank(dst) < rank(src)

@@ -235,6 +235,8 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True, 
 def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
   goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
   devices = jax.devices() if devices is None else devices
+  from jaxtrain.plan import auto  # the planner builds on this module, so it is imported here, at use
+  cfg, auto_row = auto.resolve(cfg, devices)  # train.batch_size/microbatches=auto: chosen, compiled, confirmed
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
   t, o = cfg.train, cfg.optim
@@ -262,6 +264,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     # ---- sinks and state: restored from the newest complete checkpoint of any tier, or born sharded ----
     writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     stack.callback(writer.close)
+    if auto_row:
+      writer.write(0, auto_row)
     ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir)
     stack.callback(ckpts.close)
     meta = checkpoint_meta(cfg, workdir)

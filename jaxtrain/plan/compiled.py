@@ -1,0 +1,72 @@
+"""The reference the planner is checked against: a config's train step compiled exactly as the loop compiles it
+(`loop.compile_steps`, same mesh and rules) on abstract state and batch, and XLA's own memory figures for it.
+
+Per device: argument + output + temp - alias bytes of `Compiled.memory_analysis()` (the donated state's
+outputs alias its inputs, so it counts once). Used by `train.batch_size=auto` to confirm its choice and by
+the tests; the planner itself never compiles."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jaxtrain import config as config_lib, parallel
+from jaxtrain.train import loop, state as state_lib
+
+
+def abstract_step(cfg, devices=None):
+  """(jitted train step, abstract state, abstract batch, mesh) of a validated `cfg`, allocating nothing."""
+  devices = jax.devices() if devices is None else devices
+  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  batch_sh = parallel.batch_sharding(mesh)
+  feed = parallel.Feed(task.batch_size, batch_sh)
+  try:
+    host = next(task.batches("train", feed.lo, feed.hi))  # the shapes and dtypes of one batch
+  except (FileNotFoundError, ValueError) as e:  # a text corpus not prepared
+    raise config_lib.ConfigError(str(e)) from e
+  batch = {k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=batch_sh)
+           for k, v in host.items()}
+  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       state_lib.abstract_state(task, tx), shardings)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+  return train_fn, state, batch, mesh
+
+
+# LLVM's optimizations off: the same buffer assignment (an HLO-level decision), in about half the compile time
+QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def compiled_memory(cfg, devices=None, quick: bool = False) -> dict:
+  """Per-device bytes of the compiled train step of `cfg`: argument, output, alias, temp and total
+  (argument + output + temp - alias). `quick` compiles with QUICK (for tests; the same figures)."""
+  train_fn, state, batch, mesh = abstract_step(cfg, devices)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    lowered = train_fn.lower(state, batch)
+    stats = (lowered.compile(compiler_options=QUICK) if quick else lowered.compile()).memory_analysis()
+  out = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+  out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  return out
+
+
+def measured_step_time(cfg, steps: int = 5, devices=None) -> float:
+  """Median wall time (seconds) of `steps` train steps of `cfg` after a warm-up step, on real arrays: the
+  step as the loop compiles it, the state born sharded, one real batch (fed once, reused)."""
+  import statistics
+  import time
+  devices = jax.devices() if devices is None else devices
+  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
+  batch = feed.put(next(task.batches("train", feed.lo, feed.hi)))
+  state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+    state, out = train_fn(state, batch)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      state, out = train_fn(state, batch)
+      jax.block_until_ready(out)
+      times.append(time.perf_counter() - start)
+  return statistics.median(times)

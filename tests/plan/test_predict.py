@@ -1,0 +1,128 @@
+"""The planner without compiling: the state's per-device bytes against the shardings the loop gives it on
+real (virtual) devices, how memory moves with batch, remat and mesh, suggestions that re-predict as fitting,
+FLOPs, the CLI's table and its one-line errors, and train.batch_size=auto accepted by the schema."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import config as config_lib, config_files, metrics
+from jaxtrain.__main__ import main
+from jaxtrain.plan import auto, devices, estimate, predict
+from jaxtrain.plan.state_bytes import state_bytes
+from jaxtrain.train import loop, state as state_lib
+from tests.fixtures import tiny_config
+
+GIB = 2**30
+
+
+def sharded_bytes(tree, shardings) -> int:
+  """Bytes of each leaf's shard on device 0 as the loop lays it out (the independent reference)."""
+  return sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+@pytest.mark.parametrize("mesh, comm", [
+    ({"data": 2, "fsdp": 2, "tensor": -1, "rules": "fsdp_tp"}, {}),
+    ({"data": 1, "replica": 2, "fsdp": -1}, {"format": "int8", "error_feedback": "ef"}),  # per-shard residuals
+], ids=["fsdp_tp", "fsdp-compressed-ef"])
+def test_state_bytes_equal_the_loops_shards(mesh, comm):
+  cfg = tiny_config(mesh=mesh, comm=comm)
+  cfg.mesh.update(data=mesh.get("data", 1))
+  shape = config_lib.validate(cfg, 8)
+  mesh_, task, tx, _ = loop.build(cfg, "", jax.devices())
+  abstract = state_lib.abstract_state(task, tx)
+  shardings = state_lib.state_shardings(task, tx, mesh_, cfg.mesh.rules)
+  got = state_bytes(cfg, shape)
+  assert got["params"] == sharded_bytes(abstract.params, shardings.params)
+  assert got["opt_state"] == sharded_bytes(abstract.opt_state, shardings.opt_state)
+
+
+def memory(cfg, n: int = 8) -> dict:
+  return estimate.memory_bytes(cfg, config_lib.validate(cfg, n), "cpu")[0]
+
+
+def test_memory_moves_the_right_way():
+  base = memory(tiny_config())
+  double = memory(tiny_config(train={"batch_size": 16}))
+  assert double["activations"] > base["activations"] and double["params"] == base["params"]
+  assert memory(tiny_config(model={"remat": "full"}))["activations"] < base["activations"]
+  assert memory(tiny_config(mesh={"data": 1, "fsdp": 8}))["opt_state"] < base["opt_state"] / 4
+  assert memory(tiny_config(train={"cross_entropy": "chunked", "ce_token_chunk": 8}))["loss_temps"] < \
+      base["loss_temps"]
+
+
+def test_flops_count_tokens_remat_and_time():
+  cfg = tiny_config(train={"batch_size": 64})
+  m, t = cfg.model, cfg.train
+  per_token = metrics.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff,
+                                            m.vocab_size, t.seq_len)
+  plan = predict(cfg, 64, "h100")
+  assert plan.flops_per_step == per_token * t.batch_size * t.seq_len
+  assert plan.compute_time_s == pytest.approx(plan.flops_per_step / 64 / (989e12 if m.compute_dtype == "bfloat16"
+                                                                         else 67e12) / 0.4)
+  assert predict(tiny_config(model={"remat": "full"}, train={"batch_size": 64}), 64, "h100").flops_per_step \
+      > plan.flops_per_step
+  assert devices.efficiency("cpu", 1) > devices.efficiency("cpu", 8)
+
+
+def test_what_does_not_fit_says_which_change_would():
+  cfg = tiny_config(train={"batch_size": 64, "seq_len": 32})
+  need = predict(cfg, 8, "h100").memory["total"]
+  plan = predict(cfg, 8, "h100", device_memory_bytes=0.8 * need)
+  assert not plan.fits and plan.suggestions
+  for line in plan.suggestions:  # each one re-predicted with the change, and fitting
+    what = line.split(":")[0]
+    changed = config_files.apply_overrides(tiny_config(train={"batch_size": 64, "seq_len": 32}),
+                                           dict(kv.split("=") for kv in what.split()))
+    assert predict(changed, 8, "h100").memory["total"] <= 0.8 * need, line
+
+
+def test_auto_picks_the_largest_predicted_batch():
+  cfg = auto.with_train(tiny_config(), batch_size=config_lib.AUTO)
+  limit = 64 * 2**20
+  choice = auto.choose(cfg, 8, "h100", limit)
+  assert choice["step"] == 8 and choice["batch_size"] % 8 == 0
+  at = lambda b: predict(auto.with_train(cfg, batch_size=b), 8, "h100").memory["total"] <= (1 - auto.MARGIN) * limit
+  assert at(choice["batch_size"]) and not at(choice["batch_size"] + 8)
+
+
+def test_auto_in_the_schema_and_overrides():
+  cfg = config_files.apply_overrides(tiny_config(), {"train.batch_size": "auto", "train.microbatches": "auto"})
+  assert cfg.train.batch_size == "auto"
+  config_lib.validate(cfg, 8)  # accepted before the planner resolves it
+  with pytest.raises(config_lib.ConfigError, match="expected int"):
+    config_files.apply_overrides(tiny_config(), {"train.steps": "auto"})
+  bad = auto.with_train(tiny_config(), batch_size="many")
+  with pytest.raises(config_lib.ConfigError, match=r"^train.batch_size must be positive or auto, got 'many'$"):
+    config_lib.validate(bad, 8)
+
+
+def test_cli_prints_the_table(capsys):
+  assert main(["plan", "--config=configs/tiny.py", "--devices=8", "--device_kind=h100",
+               "--config.mesh.fsdp=4"]) == 0
+  out = capsys.readouterr().out
+  assert "8 x h100 (data=2 fsdp=4)" in out and "memory.total" in out and "step time" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device_kind=v100"], "invalid choice"),
+    (["--devices=6"], "does not divide"),  # tiny's batch over 6 devices
+    (["--devices=0"], "devices must be >= 1"),
+    (["--device_memory_gib=0"], "--device_memory_gib must be positive"),
+    (["--config.model.remat=some"], "model.remat: unknown value"),
+])
+def test_cli_bad_input_is_one_line(argv, message, capsys):
+  assert main(["plan", "--config=configs/tiny.py", "--device_kind=h100", *argv]) == 2
+  err = capsys.readouterr().err
+  assert message in err and err.count("\n") == 1
+
+
+def test_cli_resolves_auto_by_prediction(capsys):
+  assert main(["plan", "--config=configs/tiny.py", "--devices=8", "--device_kind=h100", "--device_memory_gib=0.05",
+               "--config.train.batch_size=auto"]) == 0
+  out = capsys.readouterr().out
+  batch = int(out.split("train.batch_size=")[1].split()[0])
+  assert batch % 8 == 0 and any(line.split() == ["fits", "yes"] for line in out.splitlines())
