@@ -87,7 +87,7 @@ class ModelConfig:
   norm_eps: float = 1e-6
   param_dtype: str = "float32"  # one of DTYPES
   compute_dtype: str = "float32"
-  remat: str = "none"  # one of REMAT
+  remat: str = "none"  # one of REMAT; saves memory with scan_layers (XLA:CPU unrolled: none, with or without CSE)
   scan_layers: bool = True  # False unrolls the layer loop (same parameter tree); faster on CPU
   init_std: float = 0.02
   # Mixture of experts (jaxtrain/model/moe.py); n_experts = 0 is a dense model.
