@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import zlib
@@ -55,20 +56,17 @@ FULL = dict(pretrain_steps=800, n_pretrain=100_000, n_eval=300, n_sft=2000, sft_
             sft_lr=3e-3, domain_steps=300)
 QUICK = dict(pretrain_steps=12, n_pretrain=2000, n_eval=16, n_sft=64, sft_steps=3, sft_batch=8,
              sft_lr=1e-3, domain_steps=3)
-# chain: noisy pre-training (the base above on a corpus with chain_noise wrong answers), SFT on chain_sft clean
-# problems (chain_sft_steps, a checkpoint every chain_sft_every), then GRPO and PPO from that SFT run on n_rl
-# prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one sample each)
-CHAIN_FULL = dict(chain_noise=0.2, chain_sft=500, chain_sft_steps=100, chain_sft_every=20, chain_sft_lr=1e-3,
-                  n_rl=2000, rl_steps=200, rl_every=25, rl_batch=16, group=8, rl_seq_len=16, rl_new_tokens=6,
-                  grpo_lr=2e-4, grpo_kl=0.04, ppo_lr=2e-4, ppo_kl=0.05, rl_window=20)
-FULL.update(CHAIN_FULL)
-# the slow test's chain (tests/posttrain/test_chain.py): 2-digit operands, a d_model 64 model, short stages
-SMALL = dict(FULL, pretrain_steps=300, n_pretrain=20_000, n_eval=200, digits=dict(min_digits=2, max_digits=2),
-             model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192),
-             chain_sft=200, chain_sft_steps=100, chain_sft_every=10, chain_sft_lr=1e-3, n_rl=1000, rl_steps=60,
-             rl_every=20, rl_batch=16, group=8, rl_seq_len=12, rl_new_tokens=5, grpo_lr=5e-4, ppo_lr=5e-4,
-             rl_window=10)
+# chain (item 6, 8 a): the base above on 2-digit problems with chain_noise wrong answers (config.py's model,
+# pretrain_steps), SFT on chain_sft clean problems (chain_sft_steps, a checkpoint every chain_sft_every; RL
+# starts from the first whose accuracy on n_select RL prompts reaches chain_sft_target), then GRPO and PPO from
+# that step on n_rl prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one each).
+# The README's run and the slow test (tests/posttrain/test_chain.py) use this budget.
+CHAIN = dict(FULL, pretrain_steps=300, n_pretrain=20_000, n_eval=200, digits=dict(min_digits=2, max_digits=2),
+             chain_noise=0.2, chain_sft=200, chain_sft_steps=100, chain_sft_every=10, chain_sft_lr=3e-3,
+             chain_sft_target=0.3, n_select=200, n_rl=1000, rl_steps=80, rl_every=20, rl_batch=16, group=8,
+             rl_seq_len=12, rl_new_tokens=5, grpo_lr=3e-4, grpo_kl=0.04, ppo_lr=3e-4, ppo_kl=0.05, rl_window=10)
 QUICK.update(chain_noise=0.2, chain_sft=32, chain_sft_steps=2, chain_sft_every=1, chain_sft_lr=1e-3, n_rl=32,
+             chain_sft_target=0.3, n_select=8,
              rl_steps=2, rl_every=1, rl_batch=2, group=4, rl_seq_len=16, rl_new_tokens=6, grpo_lr=1e-4, grpo_kl=0.04,
              ppo_lr=1e-4, ppo_kl=0.05, rl_window=1)
 
@@ -307,21 +305,31 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
   c.checkpoint.update(every_steps=b["chain_sft_every"], keep_every_steps=b["chain_sft_every"])
   sft_dir = os.path.join(d, "sft")
   sft_s = sft(c, sft_dir)
-  sft_curve = [{"step": s, "accuracy": accuracy(sft_dir, s)}
-               for s in range(b["chain_sft_every"], b["chain_sft_steps"] + 1, b["chain_sft_every"])]
-  stages.append({"stage": "SFT (clean)", "steps": b["chain_sft_steps"], "accuracy": sft_curve[-1]["accuracy"],
-                 "train_s": sft_s})
-  print(json.dumps(stages[-1]), flush=True)
   # RL prompts: training-side problems (none held out) with their answers, another stream than the SFT set's
   rl_rows = exact.make_sets(0, b["n_rl"], 0, 0, 0.0, seed + 1, **digits)["sft"]
   rl_path = write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in rl_rows],
                         os.path.join(d, "rl.jsonl"))
+  # RL starts from the first kept SFT step that answers chain_sft_target of the first n_select RL prompts (the
+  # training side: the held-out prompts choose nothing), else the last: a model partly right, as RL needs
+  select = rl_rows[:b["n_select"]]
+  sft_curve = []
+  for s in range(b["chain_sft_every"], b["chain_sft_steps"] + 1, b["chain_sft_every"]):
+    chosen = round(exact.accuracy(lambda ps: greedy(sft_dir, s, ps, new_tokens), [r["prompt"] for r in select],
+                                  [r["completion"] for r in select]), 4)
+    sft_curve.append({"step": s, "accuracy": accuracy(sft_dir, s), "rl_prompt_accuracy": chosen})
+    print(json.dumps(sft_curve[-1]), flush=True)
+  start = next((x for x in sft_curve if x["rl_prompt_accuracy"] >= b["chain_sft_target"]), sft_curve[-1])
+  start_dir = os.path.join(d, "sft_start")  # a checkpoint tier holding the chosen step alone: RL's init_from
+  shutil.rmtree(start_dir, ignore_errors=True)
+  shutil.copytree(os.path.join(sft_dir, "checkpoints", str(start["step"])), os.path.join(start_dir, str(start["step"])))
+  stages.append({"stage": "SFT (clean)", "steps": start["step"], "accuracy": start["accuracy"], "train_s": sft_s})
+  print(json.dumps(stages[-1]), flush=True)
   keys = ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "accuracy")
   rl = {}
   for task in ("grpo", "ppo"):
     workdir = os.path.join(d, task)
     t0 = time.time()
-    jaxtrain.train(rl_config(base_cfg, task, rl_path, sft_dir, b), workdir, progress=False, start_over=True)
+    jaxtrain.train(rl_config(base_cfg, task, rl_path, start_dir, b), workdir, progress=False, start_over=True)
     train_s = round(time.time() - t0, 1)
     steps = [{"step": r["step"], **{k: round(float(r[k]), 5) for k in keys if k in r}}
              for r in jaxtrain.read_metrics(workdir) if "reward_mean" in r]
@@ -335,6 +343,7 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
     print(json.dumps({**stages[-1], **rl[task]["reward_stats"]}), flush=True)
   return {"noise": b["chain_noise"], "eval_prompts": len(prompts), "digits": digits or {"min_digits": 2, "max_digits": 3},
           "sft_examples": b["chain_sft"], "sft_lr": b["chain_sft_lr"], "sft_batch_rows": b["sft_batch"],
+          "sft_steps_run": b["chain_sft_steps"], "sft_target": b["chain_sft_target"], "select_prompts": len(select),
           "rl_prompts": b["n_rl"], "rl_prompts_a_step": b["rl_batch"], "group_size": b["group"],
           "grpo_lr": b["grpo_lr"], "ppo_lr": b["ppo_lr"], "grpo_kl_coef": b["grpo_kl"], "ppo_kl_coef": b["ppo_kl"],
           "stages": stages, "sft_curve": sft_curve, "rl": rl}
@@ -366,13 +375,13 @@ def plot_chain(r: dict, dest: str) -> None:
   fig = Figure(figsize=(6, 3.8))
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
-  pre, sft_steps = r["stages"][0], r["stages"][1]["steps"]
+  pre, sft_steps = r["stages"][0], r["stages"][1]["steps"]  # RL starts from SFT step sft_steps
   ax.plot([0], [100 * pre["accuracy"]], "ko", label=f"pre-trained, noise {r['noise']:.0%}")
   ax.plot([0] + [x["step"] for x in r["sft_curve"]], [100 * pre["accuracy"]] + [100 * x["accuracy"] for x in r["sft_curve"]],
           "o-", label="SFT (clean)")
   for task, x in r["rl"].items():
     ax.plot([sft_steps] + [sft_steps + e["step"] for e in x["greedy"]],
-            [100 * r["sft_curve"][-1]["accuracy"]] + [100 * e["accuracy"] for e in x["greedy"]], "s-", label=task.upper())
+            [100 * r["stages"][1]["accuracy"]] + [100 * e["accuracy"] for e in x["greedy"]], "s-", label=task.upper())
   ax.axvline(sft_steps, color="gray", ls=":")
   ax.set(xlabel="post-training step (SFT, then RL)", ylabel="held-out greedy exact match (%)", ylim=(-2, 102),
          title=f"pre-train ({pre['steps']} steps) -> SFT -> RL")
@@ -455,8 +464,8 @@ def main(argv=None) -> dict:
   p.add_argument("--study", choices=("noise", "domain", "chain", "all"), default="all")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "posttrain", "studies"), help="data and workdirs")
   p.add_argument("--quick", action="store_true", help="a tiny budget (the tests'); results go under --out")
-  p.add_argument("--small", action="store_true", help="the chain's slow-test budget (2-digit operands, a smaller "
-                 "model); results go under --out")
+  p.add_argument("--results", default="", help="where results.json, table.md and plots go (default: beside this "
+                 "file for a full run, under --out with --quick)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_cache", action="store_true", help="no persistent compilation cache under --out")
   a = p.parse_args(argv)
@@ -466,16 +475,16 @@ def main(argv=None) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   machine = (f"{datetime.date.today()}, jax {jax.__version__}, python {platform.python_version()}, "
              f"{jax.devices()[0].platform} x {jax.device_count()}, {os.cpu_count()} cores")
-  budget = QUICK if a.quick else SMALL if a.small else FULL
+  budgets = {"chain": QUICK if a.quick else CHAIN}
   results = {}
   for study in (STUDIES if a.study == "all" else (a.study,)):
     t0 = time.time()
+    budget = budgets.get(study, QUICK if a.quick else FULL)
     r = STUDIES[study](a.out, budget, a.quick, a.seed)
-    command = (f"python experiments/posttrain/run.py --study {study}" + (" --quick" if a.quick else "")
-               + (" --small" if a.small else ""))
+    command = f"python experiments/posttrain/run.py --study {study}" + (" --quick" if a.quick else "")
     r = {"study": study, "machine": machine, "command": command, "wall_s": round(time.time() - t0, 1),
          "base_pretrain_steps": budget["pretrain_steps"], **r}
-    dest = os.path.join(a.out, study) if a.quick or a.small else os.path.join(HERE, study)
+    dest = os.path.join(a.results or (a.out if a.quick else HERE), study)
     os.makedirs(dest, exist_ok=True)
     with open(os.path.join(dest, "results.json"), "w") as f:
       json.dump(r, f, indent=1)

@@ -1,5 +1,5 @@
 """experiments/posttrain/run.py: the domain task's data and scores (fast), and the whole script at its
---quick budget (slow: two studies, one base, seven SFT runs)."""
+--quick budget (slow: the three studies, seven SFT runs on one base, the chain's pre-training, SFT, GRPO and PPO)."""
 
 import importlib.util
 import json
@@ -85,6 +85,10 @@ def test_quick_run_writes_both_studies(tmp_path):
     assert (tmp_path / study / f"{study}.png").stat().st_size > 1000
     table = (tmp_path / study / "table.md").read_text()
     assert table.count("\n| ") == len(r["rows"]) + 3  # header, rule, base, one line per arm
+  chain = json.load(open(tmp_path / "chain" / "results.json"))  # the chain at the tiny budget: the pipeline runs
+  assert [s["stage"].split()[0] for s in chain["stages"]] == ["pre-train", "SFT", "GRPO", "PPO"]
+  assert all(len(chain["rl"][t]["steps"]) == 2 and "kl" in chain["rl"][t]["steps"][0] for t in ("grpo", "ppo"))
+  assert (tmp_path / "chain" / "rl.png").stat().st_size > 1000
   # every SFT run started from the base: its saved config points there, and the base trained once
   for arm in ("noise/sft_0.4", "domain/sft_50"):
     cfg = json.load(open(tmp_path / arm / "config.json"))
@@ -109,7 +113,7 @@ def test_curve_stats_against_a_loop(run):
 
 def test_chain_rl_configs_validate_and_see_the_same_samples(run, tmp_path):
   from jaxtrain import config as config_lib
-  for budget in (run.FULL, run.SMALL, run.QUICK):
+  for budget in (run.CHAIN, run.QUICK):
     base = run.base_config(str(tmp_path / "pretrain.jsonl"), budget, budget is run.QUICK, 0)
     cfgs = {task: run.rl_config(base, task, str(tmp_path / "rl.jsonl"), str(tmp_path / "sft"), budget)
             for task in ("grpo", "ppo")}
