@@ -1,4 +1,5 @@
-"""Two SFT studies (issue 13 item 8) on one base model pre-trained on the addition language:
+"""Two SFT studies (issue 13 item 8 b, c) on one base model pre-trained on the addition language, and the whole
+post-training chain (items 6 and 8 a):
 
   noise:  held-out greedy exact-match accuracy after SFT on the same addition problems with 0, 10, 20, 40%
           of the answers wrong (exact.make_sets' sft_noise: the wrong rows at a share are among those
@@ -6,7 +7,11 @@
   domain: accuracy and macro-F1 of a synthetic ticket-classification task (the label's one-digit code is the completion)
           after SFT on 50, 200 and 1,000 labeled examples, from a base that never saw the domain.
 
-  python experiments/posttrain/run.py [--study noise|domain|all] [--out DIR] [--quick]
+  chain:  pre-training on 2-digit additions with 20% wrong answers -> SFT on a small clean set -> GRPO and PPO
+          (exact-match reward) from the same SFT step: greedy accuracy after each stage, reward mean/std and
+          KL per RL step, the reward's fluctuation and steps to converge (budget CHAIN).
+
+  python experiments/posttrain/run.py [--study noise|domain|chain|all] [--out DIR] [--results DIR] [--quick]
 
 The base (config.py's model, 800 steps on 100,000 clean problems, seed 0) is trained once under
 --out/base and reused by both studies while its last checkpoint is there. Every SFT run is
