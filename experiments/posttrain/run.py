@@ -297,7 +297,8 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
   def accuracy(workdir, step):
     return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), prompts, answers), 4)
 
-  stages = [{"stage": "pre-train (noisy)", "steps": b["pretrain_steps"], "accuracy": accuracy(base_dir, b["pretrain_steps"])}]
+  stages = [{"stage": "pre-train (noisy)", "steps": b["pretrain_steps"],
+             "accuracy": accuracy(base_dir, b["pretrain_steps"])}]
   print(json.dumps(stages[-1]), flush=True)
   # SFT on a small clean set, checkpoints kept along the way for its accuracy curve
   sets = exact.make_sets(0, b["chain_sft"], 0, 0, 0.0, seed, **digits)
@@ -346,7 +347,8 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
     stages.append({"stage": f"{task.upper()} (from SFT)", "steps": b["rl_steps"],
                    "accuracy": evals_rl[-1]["accuracy"], "train_s": train_s})
     print(json.dumps({**stages[-1], **rl[task]["reward_stats"]}), flush=True)
-  return {"noise": b["chain_noise"], "eval_prompts": len(prompts), "digits": digits or {"min_digits": 2, "max_digits": 3},
+  return {"noise": b["chain_noise"], "eval_prompts": len(prompts),
+          "digits": digits or {"min_digits": 2, "max_digits": 3},
           "sft_examples": b["chain_sft"], "sft_lr": b["chain_sft_lr"], "sft_batch_rows": b["sft_batch"],
           "sft_steps_run": b["chain_sft_steps"], "sft_target": b["chain_sft_target"], "select_prompts": len(select),
           "rl_prompts": b["n_rl"], "rl_prompts_a_step": b["rl_batch"], "group_size": b["group"],
@@ -368,7 +370,8 @@ def chain_table(r: dict) -> str:
     st = x["reward_stats"]
     lines.append(f"| {task.upper()} | " + ", ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in x["greedy"]) +
                  f" | {st['first_mean']:.3f} | {st['last_mean']:.3f} | {st['last_std']:.3f} | "
-                 f"{st['last_step_change_std']:.3f} | {st['steps_to_converge']} | {x['kl_last']:.4f} | {x['train_s']} |")
+                 f"{st['last_step_change_std']:.3f} | {st['steps_to_converge']} | {x['kl_last']:.4f} | "
+                 f"{x['train_s']} |")
   return "\n".join(lines) + "\n"
 
 
@@ -382,8 +385,8 @@ def plot_chain(r: dict, dest: str) -> None:
   ax = fig.add_subplot()
   pre, sft_steps = r["stages"][0], r["stages"][1]["steps"]  # RL starts from SFT step sft_steps
   ax.plot([0], [100 * pre["accuracy"]], "ko", label=f"pre-trained, noise {r['noise']:.0%}")
-  ax.plot([0] + [x["step"] for x in r["sft_curve"]], [100 * pre["accuracy"]] + [100 * x["accuracy"] for x in r["sft_curve"]],
-          "o-", label="SFT (clean)")
+  ax.plot([0] + [x["step"] for x in r["sft_curve"]],
+          [100 * pre["accuracy"]] + [100 * x["accuracy"] for x in r["sft_curve"]], "o-", label="SFT (clean)")
   for task, x in r["rl"].items():
     ax.plot([sft_steps] + [sft_steps + e["step"] for e in x["greedy"]],
             [100 * r["stages"][1]["accuracy"]] + [100 * e["accuracy"] for e in x["greedy"]], "s-", label=task.upper())

@@ -23,8 +23,8 @@ SCRIPT = os.path.join(ROOT, "experiments", "posttrain", "run.py")
 @pytest.mark.slow
 def test_grpo_and_ppo_raise_exact_match_over_the_sft_model(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device, as from the command line
-  subprocess.run([sys.executable, SCRIPT, "--study", "chain", "--out", str(tmp_path), "--results", str(tmp_path)], check=True,
-                 env=env, cwd=ROOT, capture_output=True, timeout=3000)
+  subprocess.run([sys.executable, SCRIPT, "--study", "chain", "--out", str(tmp_path), "--results", str(tmp_path)],
+                 check=True, env=env, cwd=ROOT, capture_output=True, timeout=3000)
   r = json.load(open(tmp_path / "chain" / "results.json"))
   acc = {s["stage"].split()[0]: s["accuracy"] for s in r["stages"]}
   assert list(acc) == ["pre-train", "SFT", "GRPO", "PPO"]
