@@ -368,9 +368,10 @@ def chain_table(r: dict) -> str:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for task, x in r["rl"].items():
     st = x["reward_stats"]
+    change = st["last_step_change_std"]  # None for a window of one step
     lines.append(f"| {task.upper()} | " + ", ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in x["greedy"]) +
                  f" | {st['first_mean']:.3f} | {st['last_mean']:.3f} | {st['last_std']:.3f} | "
-                 f"{st['last_step_change_std']:.3f} | {st['steps_to_converge']} | {x['kl_last']:.4f} | "
+                 f"{'-' if change is None else f'{change:.3f}'} | {st['steps_to_converge']} | {x['kl_last']:.4f} | "
                  f"{x['train_s']} |")
   return "\n".join(lines) + "\n"
 
