@@ -53,6 +53,7 @@ def completer(workdir: str, step: int, temperature: float = 0.0, seed: int = 0, 
   from jaxtrain.model import ModelConfig, Transformer, generate
 
   cfg, params, extra = pretrained.read_step(workdir, step)
+  params = {k: v for k, v in params.items() if k != "value_head"}  # a PPO run's value head: not the decoder's
   model = Transformer(ModelConfig.from_config(cfg.model))
   gen = _jitted(generate)
   tok = ByteTokenizer()

@@ -1,4 +1,5 @@
-"""Two SFT studies (issue 13 item 8) on one base model pre-trained on the addition language:
+"""Two SFT studies (issue 13 item 8 b, c) on one base model pre-trained on the addition language, and the whole
+post-training chain (items 6 and 8 a):
 
   noise:  held-out greedy exact-match accuracy after SFT on the same addition problems with 0, 10, 20, 40%
           of the answers wrong (exact.make_sets' sft_noise: the wrong rows at a share are among those
@@ -6,7 +7,11 @@
   domain: accuracy and macro-F1 of a synthetic ticket-classification task (the label's one-digit code is the completion)
           after SFT on 50, 200 and 1,000 labeled examples, from a base that never saw the domain.
 
-  python experiments/posttrain/run.py [--study noise|domain|all] [--out DIR] [--quick]
+  chain:  pre-training on 2-digit additions with 20% wrong answers -> SFT on a small clean set -> GRPO and PPO
+          (exact-match reward) from the same SFT step: greedy accuracy after each stage, reward mean/std and
+          KL per RL step, the reward's fluctuation and steps to converge (budget CHAIN).
+
+  python experiments/posttrain/run.py [--study noise|domain|chain|all] [--out DIR] [--results DIR] [--quick]
 
 The base (config.py's model, 800 steps on 100,000 clean problems, seed 0) is trained once under
 --out/base and reused by both studies while its last checkpoint is there. Every SFT run is
@@ -21,6 +26,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import zlib
@@ -55,10 +61,25 @@ FULL = dict(pretrain_steps=800, n_pretrain=100_000, n_eval=300, n_sft=2000, sft_
             sft_lr=3e-3, domain_steps=300)
 QUICK = dict(pretrain_steps=12, n_pretrain=2000, n_eval=16, n_sft=64, sft_steps=3, sft_batch=8,
              sft_lr=1e-3, domain_steps=3)
+# chain (item 6, 8 a): the base above on 2-digit problems with chain_noise wrong answers (config.py's model,
+# pretrain_steps), SFT on chain_sft clean problems (chain_sft_steps, a checkpoint every chain_sft_every; RL
+# starts from the first whose accuracy on n_select RL prompts reaches chain_sft_target), then GRPO and PPO from
+# that step on n_rl prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one each).
+# The README's run and the slow test (tests/posttrain/test_chain.py) use this budget.
+CHAIN = dict(FULL, pretrain_steps=300, n_pretrain=20_000, n_eval=200, digits=dict(min_digits=2, max_digits=2),
+             chain_noise=0.2, chain_sft=200, chain_sft_steps=100, chain_sft_every=10, chain_sft_lr=3e-3,
+             chain_sft_target=0.3, n_select=200, n_rl=1000, rl_steps=80, rl_every=20, rl_batch=16, group=8,
+             rl_seq_len=12, rl_new_tokens=5, grpo_lr=3e-4, grpo_kl=0.04, ppo_lr=3e-4, ppo_kl=0.05, rl_window=10)
+QUICK.update(chain_noise=0.2, chain_sft=32, chain_sft_steps=2, chain_sft_every=1, chain_sft_lr=1e-3, n_rl=32,
+             chain_sft_target=0.3, n_select=8,
+             rl_steps=2, rl_every=1, rl_batch=2, group=4, rl_seq_len=16, rl_new_tokens=6, grpo_lr=1e-4, grpo_kl=0.04,
+             ppo_lr=1e-4, ppo_kl=0.05, rl_window=1)
 
 
 def base_config(data_path: str, b: dict, quick: bool, seed: int):
   c = PRETRAIN.tiny_config(data_path, b["pretrain_steps"], b["pretrain_steps"], seed)
+  if "model" in b:
+    c.model.update(**b["model"])
   if quick:
     c.model.update(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64)
     c.train.update(batch_size=8, log_every=4)
@@ -75,10 +96,13 @@ def sft_config(base_cfg, train_path: str, eval_path: str, base_dir: str, steps: 
   return c
 
 
-def train_base(out: str, b: dict, quick: bool, seed: int):
-  """(config, workdir, data paths) of the base model; trained unless its last step is already saved."""
-  paths = exact.write_dataset(os.path.join(out, "data"), b["n_pretrain"], 0, 0, b["n_eval"], 0.0, seed)
-  cfg, workdir = base_config(paths["pretrain"], b, quick, seed), os.path.join(out, "base")
+def train_base(out: str, b: dict, quick: bool, seed: int, noise: float = 0.0):
+  """(config, workdir, data paths) of the base model pre-trained on a corpus with a share `noise` of wrong
+  answers (0: --out/base, else --out/base_noise{noise}); trained unless its last step is already saved."""
+  suffix = "" if noise == 0 else f"_noise{noise}"
+  paths = exact.write_dataset(os.path.join(out, "data" + suffix), b["n_pretrain"], 0, 0, b["n_eval"], noise, seed,
+                              **b.get("digits", {}))
+  cfg, workdir = base_config(paths["pretrain"], b, quick, seed), os.path.join(out, "base" + suffix)
   done = os.path.join(workdir, "done.json")
   if not (os.path.isfile(done) and json.load(open(done)) == json.loads(cfg.to_json())):
     t0 = time.time()
@@ -229,9 +253,172 @@ def study_domain(out: str, b: dict, quick: bool, seed: int) -> dict:
           "sft_steps": b["domain_steps"], "sft_batch_rows": b["sft_batch"], "sft_lr": b["sft_lr"], "rows": rows}
 
 
+# ---- (item 6 and 8 a) the whole chain: noisy pre-training -> SFT -> GRPO (and PPO from the same SFT) ----
+
+def rl_config(base_cfg, task: str, prompts_path: str, sft_dir: str, b: dict):
+  """GRPO or PPO from the SFT run (also the frozen reference) on prompts_path ({prompt, answer} rows),
+  rewarded by exact_match; the same samples a step for both (PPO: rl_batch * group prompts, one sample
+  each). Checkpoints every rl_every steps, all kept, for greedy evaluation."""
+  c = base_cfg.copy_and_resolve_references()
+  group = b["group"] if task == "grpo" else 1
+  c.train.update(task=task, steps=b["rl_steps"], batch_size=b["rl_batch"] * b["group"] // group,
+                 seq_len=b["rl_seq_len"], log_every=1, eval_every=0)
+  c.posttrain.update(train_path=prompts_path, group_size=group, max_new_tokens=b["rl_new_tokens"], temperature=1.0,
+                     top_k=0, top_p=1.0, clip_eps=0.2, kl_coef=b[f"{task}_kl"], rewards="exact_match:1.0")
+  c.optim.update(lr=b[f"{task}_lr"], warmup_steps=max(1, b["rl_steps"] // 20), schedule="constant",
+                 weight_decay=0.0)
+  c.checkpoint.update(init_from=sft_dir, every_steps=b["rl_every"], keep_every_steps=b["rl_every"])
+  return c
+
+
+def curve_stats(values, window: int) -> dict:
+  """How a per-step curve (the RL reward mean) settles: its first and last `window` steps' means; the
+  fluctuation, the std over the last window (and of its step-to-step changes); and the steps to converge,
+  the first step at which the trailing `window`-step mean reaches 90% of the way from the first window's
+  mean to the last's (None when it never moves up)."""
+  v = np.asarray(values, np.float64)
+  first, last = float(v[:window].mean()), float(v[-window:].mean())
+  trailing = np.convolve(v, np.ones(window) / window, mode="valid")  # trailing[i]: steps i+1 .. i+window
+  target = first + 0.9 * (last - first)
+  reached = np.nonzero(trailing >= target)[0] if last > first else []
+  return {"window": window, "first_mean": round(first, 4), "last_mean": round(last, 4),
+          "last_std": round(float(v[-window:].std()), 4),
+          "last_step_change_std": round(float(np.diff(v[-window:]).std()), 4) if window > 1 else None,
+          "steps_to_converge": int(reached[0] + window) if len(reached) else None}
+
+
+def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
+  digits = b.get("digits", {})
+  base_cfg, base_dir, paths = train_base(out, b, quick, seed, noise=b["chain_noise"])
+  evals = exact.read_jsonl(paths["eval"])
+  prompts, answers = [r["prompt"] for r in evals], [r["answer"] for r in evals]
+  new_tokens = b["rl_new_tokens"]
+
+  def accuracy(workdir, step):
+    return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), prompts, answers), 4)
+
+  stages = [{"stage": "pre-train (noisy)", "steps": b["pretrain_steps"],
+             "accuracy": accuracy(base_dir, b["pretrain_steps"])}]
+  print(json.dumps(stages[-1]), flush=True)
+  # SFT on a small clean set, checkpoints kept along the way for its accuracy curve
+  sets = exact.make_sets(0, b["chain_sft"], 0, 0, 0.0, seed, **digits)
+  d = os.path.join(out, "chain")
+  sft_path = write_jsonl(sets["sft"], os.path.join(d, "sft.jsonl"))
+  eval_sft = write_jsonl([{"prompt": p, "completion": a} for p, a in zip(prompts, answers)],
+                         os.path.join(d, "eval_sft.jsonl"))
+  sft_b = {**b, "sft_lr": b["chain_sft_lr"]}
+  c = sft_config(base_cfg, sft_path, eval_sft, base_dir, b["chain_sft_steps"], sft_b)
+  c.checkpoint.update(every_steps=b["chain_sft_every"], keep_every_steps=b["chain_sft_every"])
+  sft_dir = os.path.join(d, "sft")
+  sft_s = sft(c, sft_dir)
+  # RL prompts: training-side problems (none held out) with their answers, another stream than the SFT set's
+  rl_rows = exact.make_sets(0, b["n_rl"], 0, 0, 0.0, seed + 1, **digits)["sft"]
+  rl_path = write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in rl_rows],
+                        os.path.join(d, "rl.jsonl"))
+  # RL starts from the first kept SFT step that answers chain_sft_target of the first n_select RL prompts (the
+  # training side: the held-out prompts choose nothing), else the last: a model partly right, as RL needs
+  select = rl_rows[:b["n_select"]]
+  sft_curve = []
+  for s in range(b["chain_sft_every"], b["chain_sft_steps"] + 1, b["chain_sft_every"]):
+    chosen = round(exact.accuracy(lambda ps: greedy(sft_dir, s, ps, new_tokens), [r["prompt"] for r in select],
+                                  [r["completion"] for r in select]), 4)
+    sft_curve.append({"step": s, "accuracy": accuracy(sft_dir, s), "rl_prompt_accuracy": chosen})
+    print(json.dumps(sft_curve[-1]), flush=True)
+  start = next((x for x in sft_curve if x["rl_prompt_accuracy"] >= b["chain_sft_target"]), sft_curve[-1])
+  start_dir = os.path.join(d, "sft_start")  # a checkpoint tier holding the chosen step alone: RL's init_from
+  shutil.rmtree(start_dir, ignore_errors=True)
+  shutil.copytree(os.path.join(sft_dir, "checkpoints", str(start["step"])), os.path.join(start_dir, str(start["step"])))
+  stages.append({"stage": "SFT (clean)", "steps": start["step"], "accuracy": start["accuracy"], "train_s": sft_s})
+  print(json.dumps(stages[-1]), flush=True)
+  keys = ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "accuracy")
+  rl = {}
+  for task in ("grpo", "ppo"):
+    workdir = os.path.join(d, task)
+    t0 = time.time()
+    jaxtrain.train(rl_config(base_cfg, task, rl_path, start_dir, b), workdir, progress=False, start_over=True)
+    train_s = round(time.time() - t0, 1)
+    steps = [{"step": r["step"], **{k: round(float(r[k]), 5) for k in keys if k in r}}
+             for r in jaxtrain.read_metrics(workdir) if "reward_mean" in r]
+    evals_rl = [{"step": s, "accuracy": accuracy(workdir, s)}
+                for s in range(b["rl_every"], b["rl_steps"] + 1, b["rl_every"])]
+    rl[task] = {"steps": steps, "greedy": evals_rl, "train_s": train_s,
+                "reward_stats": curve_stats([r["reward_mean"] for r in steps], b["rl_window"]),
+                "kl_last": round(float(np.mean([r["kl"] for r in steps[-b["rl_window"]:]])), 5)}
+    stages.append({"stage": f"{task.upper()} (from SFT)", "steps": b["rl_steps"],
+                   "accuracy": evals_rl[-1]["accuracy"], "train_s": train_s})
+    print(json.dumps({**stages[-1], **rl[task]["reward_stats"]}), flush=True)
+  return {"noise": b["chain_noise"], "eval_prompts": len(prompts),
+          "digits": digits or {"min_digits": 2, "max_digits": 3},
+          "sft_examples": b["chain_sft"], "sft_lr": b["chain_sft_lr"], "sft_batch_rows": b["sft_batch"],
+          "sft_steps_run": b["chain_sft_steps"], "sft_target": b["chain_sft_target"], "select_prompts": len(select),
+          "rl_prompts": b["n_rl"], "rl_prompts_a_step": b["rl_batch"], "group_size": b["group"],
+          "grpo_lr": b["grpo_lr"], "ppo_lr": b["ppo_lr"], "grpo_kl_coef": b["grpo_kl"], "ppo_kl_coef": b["ppo_kl"],
+          "stages": stages, "sft_curve": sft_curve, "rl": rl}
+
+
 # ---- tables and plots ----
 
+def chain_table(r: dict) -> str:
+  lines = ["| stage | steps | held-out greedy exact match |", "| --- | ---: | ---: |"]
+  lines += [f"| {x['stage']} | {x['steps']} | {x['accuracy']:.1%} |" for x in r["stages"]]
+  lines += ["", "SFT: " + ", ".join(f"step {x['step']} {x['accuracy']:.1%}" for x in r["sft_curve"]), ""]
+  w = next(iter(r["rl"].values()))["reward_stats"]["window"]
+  lines += [f"| RL from the SFT model | greedy, by step | reward, first {w} steps | reward, last {w} | "
+            f"std of reward, last {w} | std of its step changes | steps to converge | KL, last {w} | train s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for task, x in r["rl"].items():
+    st = x["reward_stats"]
+    change = st["last_step_change_std"]  # None for a window of one step
+    lines.append(f"| {task.upper()} | " + ", ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in x["greedy"]) +
+                 f" | {st['first_mean']:.3f} | {st['last_mean']:.3f} | {st['last_std']:.3f} | "
+                 f"{'-' if change is None else f'{change:.3f}'} | {st['steps_to_converge']} | {x['kl_last']:.4f} | "
+                 f"{x['train_s']} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot_chain(r: dict, dest: str) -> None:
+  """chain.png: held-out greedy accuracy along the chain; rl.png: the RL reward (mean and std over a step's
+  samples) and KL per step, GRPO and PPO."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6, 3.8))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  pre, sft_steps = r["stages"][0], r["stages"][1]["steps"]  # RL starts from SFT step sft_steps
+  ax.plot([0], [100 * pre["accuracy"]], "ko", label=f"pre-trained, noise {r['noise']:.0%}")
+  ax.plot([0] + [x["step"] for x in r["sft_curve"]],
+          [100 * pre["accuracy"]] + [100 * x["accuracy"] for x in r["sft_curve"]], "o-", label="SFT (clean)")
+  for task, x in r["rl"].items():
+    ax.plot([sft_steps] + [sft_steps + e["step"] for e in x["greedy"]],
+            [100 * r["stages"][1]["accuracy"]] + [100 * e["accuracy"] for e in x["greedy"]], "s-", label=task.upper())
+  ax.axvline(sft_steps, color="gray", ls=":")
+  ax.set(xlabel="post-training step (SFT, then RL)", ylabel="held-out greedy exact match (%)", ylim=(-2, 102),
+         title=f"pre-train ({pre['steps']} steps) -> SFT -> RL")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(dest, "chain.png"), dpi=110)
+  fig = Figure(figsize=(6.5, 5))
+  FigureCanvasAgg(fig)
+  top, bottom = fig.subplots(2, 1, sharex=True)
+  for task, x in r["rl"].items():
+    steps = np.array([e["step"] for e in x["steps"]])
+    mean, std = np.array([e["reward_mean"] for e in x["steps"]]), np.array([e["reward_std"] for e in x["steps"]])
+    line, = top.plot(steps, mean, label=f"{task.upper()} reward mean")
+    top.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+    bottom.plot(steps, [e["kl"] for e in x["steps"]], color=line.get_color(), label=f"{task.upper()} KL to reference")
+  top.set(ylabel="exact-match reward", title="reward per RL step (band: std over the step's samples)")
+  bottom.set(xlabel="RL step", ylabel="KL (k3)")
+  for a in (top, bottom):
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(dest, "rl.png"), dpi=110)
+
+
 def table(study: str, r: dict) -> str:
+  if study == "chain":
+    return chain_table(r)
   if study == "noise":
     lines = ["| wrong SFT answers | accuracy after SFT | answer = carries dropped | final SFT loss |",
              "| ---: | ---: | ---: | ---: |",
@@ -278,11 +465,16 @@ def plot(study: str, r: dict, path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+STUDIES = {"noise": study_noise, "domain": study_domain, "chain": study_chain}
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--study", choices=("noise", "domain", "all"), default="all")
+  p.add_argument("--study", choices=("noise", "domain", "chain", "all"), default="all")
   p.add_argument("--out", default=os.path.join(ROOT, "runs", "posttrain", "studies"), help="data and workdirs")
   p.add_argument("--quick", action="store_true", help="a tiny budget (the tests'); results go under --out")
+  p.add_argument("--results", default="", help="where results.json, table.md and plots go (default: beside this "
+                 "file for a full run, under --out with --quick)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_cache", action="store_true", help="no persistent compilation cache under --out")
   a = p.parse_args(argv)
@@ -292,21 +484,25 @@ def main(argv=None) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   machine = (f"{datetime.date.today()}, jax {jax.__version__}, python {platform.python_version()}, "
              f"{jax.devices()[0].platform} x {jax.device_count()}, {os.cpu_count()} cores")
-  budget = QUICK if a.quick else FULL
+  budgets = {"chain": QUICK if a.quick else CHAIN}
   results = {}
-  for study in (("noise", "domain") if a.study == "all" else (a.study,)):
+  for study in (STUDIES if a.study == "all" else (a.study,)):
     t0 = time.time()
-    r = (study_noise if study == "noise" else study_domain)(a.out, budget, a.quick, a.seed)
+    budget = budgets.get(study, QUICK if a.quick else FULL)
+    r = STUDIES[study](a.out, budget, a.quick, a.seed)
     command = f"python experiments/posttrain/run.py --study {study}" + (" --quick" if a.quick else "")
     r = {"study": study, "machine": machine, "command": command, "wall_s": round(time.time() - t0, 1),
          "base_pretrain_steps": budget["pretrain_steps"], **r}
-    dest = os.path.join(a.out, study) if a.quick else os.path.join(HERE, study)
+    dest = os.path.join(a.results or (a.out if a.quick else HERE), study)
     os.makedirs(dest, exist_ok=True)
     with open(os.path.join(dest, "results.json"), "w") as f:
       json.dump(r, f, indent=1)
     with open(os.path.join(dest, "table.md"), "w") as f:
       f.write(f"{machine}\n\n`{command}`\n\n{table(study, r)}")
-    plot(study, r, os.path.join(dest, f"{study}.png"))
+    if study == "chain":
+      plot_chain(r, dest)
+    else:
+      plot(study, r, os.path.join(dest, f"{study}.png"))
     print(table(study, r), flush=True)
     results[study] = r
   return results

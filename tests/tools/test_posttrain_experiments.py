@@ -1,5 +1,5 @@
 """experiments/posttrain/run.py: the domain task's data and scores (fast), and the whole script at its
---quick budget (slow: two studies, one base, seven SFT runs)."""
+--quick budget (slow: the three studies, seven SFT runs on one base, the chain's pre-training, SFT, GRPO and PPO)."""
 
 import importlib.util
 import json
@@ -85,7 +85,46 @@ def test_quick_run_writes_both_studies(tmp_path):
     assert (tmp_path / study / f"{study}.png").stat().st_size > 1000
     table = (tmp_path / study / "table.md").read_text()
     assert table.count("\n| ") == len(r["rows"]) + 3  # header, rule, base, one line per arm
+  chain = json.load(open(tmp_path / "chain" / "results.json"))  # the chain at the tiny budget: the pipeline runs
+  assert [s["stage"].split()[0] for s in chain["stages"]] == ["pre-train", "SFT", "GRPO", "PPO"]
+  assert all(len(chain["rl"][t]["steps"]) == 2 and "kl" in chain["rl"][t]["steps"][0] for t in ("grpo", "ppo"))
+  assert (tmp_path / "chain" / "rl.png").stat().st_size > 1000
   # every SFT run started from the base: its saved config points there, and the base trained once
   for arm in ("noise/sft_0.4", "domain/sft_50"):
     cfg = json.load(open(tmp_path / arm / "config.json"))
     assert cfg["checkpoint"]["init_from"] == str(tmp_path / "base") and cfg["train"]["task"] == "sft"
+
+
+def test_curve_stats_against_a_loop(run):
+  rng = np.random.default_rng(0)
+  values = np.clip(np.linspace(0.1, 0.7, 60) + rng.normal(0, 0.05, 60), 0, 1)
+  w = 8
+  s = run.curve_stats(values, w)
+  first, last = values[:w].mean(), values[-w:].mean()
+  target = first + 0.9 * (last - first)
+  want = next(i + 1 for i in range(w - 1, len(values)) if sum(values[i - w + 1:i + 1]) / w >= target)
+  assert s["steps_to_converge"] == want  # the step that completes the first window reaching 90% of the rise
+  assert s["first_mean"] == round(first, 4) and s["last_mean"] == round(last, 4)
+  assert s["last_std"] == round(float(np.std(values[-w:])), 4)
+  assert s["last_step_change_std"] == round(float(np.std(np.diff(values[-w:]))), 4)
+  assert run.curve_stats(values[::-1], w)["steps_to_converge"] is None  # a falling curve never converges up
+  assert run.curve_stats(np.full(10, 0.5), 3)["steps_to_converge"] is None
+
+
+def test_chain_rl_configs_validate_and_see_the_same_samples(run, tmp_path):
+  from jaxtrain import config as config_lib
+  for budget in (run.CHAIN, run.QUICK):
+    base = run.base_config(str(tmp_path / "pretrain.jsonl"), budget, budget is run.QUICK, 0)
+    cfgs = {task: run.rl_config(base, task, str(tmp_path / "rl.jsonl"), str(tmp_path / "sft"), budget)
+            for task in ("grpo", "ppo")}
+    for task, c in cfgs.items():
+      config_lib.validate(c, 1)
+      assert c.train.task == task and c.checkpoint.init_from == str(tmp_path / "sft")
+      assert c.posttrain.rewards == "exact_match:1.0" and c.train.eval_every == 0
+      # the longest prompt (BOS + "999+999=") and answer (4 digits + EOS) fit the rollout's slots
+      digits = budget.get("digits", {}).get("max_digits", 3)
+      assert c.train.seq_len - c.posttrain.max_new_tokens >= 1 + 2 * digits + 2
+      assert c.posttrain.max_new_tokens >= digits + 2
+    g, p = cfgs["grpo"], cfgs["ppo"]
+    assert g.train.batch_size * g.posttrain.group_size == p.train.batch_size * p.posttrain.group_size
+    assert p.posttrain.group_size == 1 and g.posttrain.group_size >= 2
