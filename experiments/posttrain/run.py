@@ -338,7 +338,7 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
     jaxtrain.train(rl_config(base_cfg, task, rl_path, start_dir, b), workdir, progress=False, start_over=True)
     train_s = round(time.time() - t0, 1)
     steps = [{"step": r["step"], **{k: round(float(r[k]), 5) for k in keys if k in r}}
-             for r in jaxtrain.read_metrics(workdir) if "reward_mean" in r]
+             for r in jaxtrain.read_metrics(workdir, as_frame=False) if "reward_mean" in r]
     evals_rl = [{"step": s, "accuracy": accuracy(workdir, s)}
                 for s in range(b["rl_every"], b["rl_steps"] + 1, b["rl_every"])]
     rl[task] = {"steps": steps, "greedy": evals_rl, "train_s": train_s,
