@@ -34,16 +34,15 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:  # the repository's jaxtrain and tools, not an installed copy
   sys.path.insert(0, ROOT)
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import jaxtrain  # noqa: E402
-from jaxtrain import config as config_lib, parallel  # noqa: E402
+from jaxtrain import config as config_lib  # noqa: E402
 from jaxtrain.model.transformer import param_count  # noqa: E402
-from jaxtrain.train import loop, state as state_lib  # noqa: E402
+from jaxtrain.plan.compiled import compiled_memory as plan_compiled_memory  # noqa: E402
 from tools.compare_runs import compare, format_table as compare_table  # noqa: E402
 from tools.plot_metrics import plot  # noqa: E402
 
@@ -77,24 +76,11 @@ def machine() -> dict:
 
 
 def compiled_memory(cfg, devices) -> dict:
-  """Per-device bytes of the train step as the loop compiles it (train/comm.py's way: abstract state and
-  batch, nothing allocated): memory_analysis()'s arguments, outputs, aliased, temporaries, and the total."""
-  mesh, task, tx, schedule = loop.build(cfg, "", devices)
-  batch_sh = parallel.batch_sharding(mesh)
-  feed = parallel.Feed(task.batch_size, batch_sh)
-  host = next(task.batches("train", feed.lo, feed.hi))
-  batch = {k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=batch_sh)
-           for k, v in host.items()}
-  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       state_lib.abstract_state(task, tx), shardings)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
-    m = train_fn.lower(state, batch).compile().memory_analysis()
-  out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes,
-         "temporaries": m.temp_size_in_bytes}
-  out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
-  return out
+  """Per-device bytes of the train step as the loop compiles it, on abstract state and batch (the planner's
+  reference, jaxtrain/plan/compiled.py): memory_analysis()'s arguments, outputs, aliased, temporaries, total."""
+  m = plan_compiled_memory(cfg, devices)
+  return {"arguments": m["argument"], "outputs": m["output"], "aliased": m["alias"], "temporaries": m["temp"],
+          "total": m["total"]}
 
 
 class PeakRss:

@@ -7,30 +7,10 @@ the tests; the planner itself never compiles."""
 
 import flax.linen as nn
 import jax
-import numpy as np
 
-from jaxtrain import config as config_lib, parallel
+from jaxtrain import parallel
 from jaxtrain.train import loop, state as state_lib
-
-
-def abstract_step(cfg, devices=None):
-  """(jitted train step, abstract state, abstract batch, mesh) of a validated `cfg`, allocating nothing."""
-  devices = jax.devices() if devices is None else devices
-  mesh, task, tx, schedule = loop.build(cfg, "", devices)
-  batch_sh = parallel.batch_sharding(mesh)
-  feed = parallel.Feed(task.batch_size, batch_sh)
-  try:
-    host = next(task.batches("train", feed.lo, feed.hi))  # the shapes and dtypes of one batch
-  except (FileNotFoundError, ValueError) as e:  # a text corpus not prepared
-    raise config_lib.ConfigError(str(e)) from e
-  batch = {k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=batch_sh)
-           for k, v in host.items()}
-  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       state_lib.abstract_state(task, tx), shardings)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
-  return train_fn, state, batch, mesh
+from jaxtrain.train.abstract import abstract_step
 
 
 # LLVM's optimizations off: the same buffer assignment (an HLO-level decision), in about half the compile time

@@ -19,7 +19,7 @@ from jaxtrain import config as config_lib, config_files, metrics as metrics_lib,
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
 from jaxtrain.parallel import hlo_bytes
-from jaxtrain.train import loop, state as state_lib
+from jaxtrain.train.abstract import abstract_step
 
 # Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in jaxtrain/metrics.py.
 H200_BF16_FLOPS = metrics_lib.PEAK_FLOPS["H200"]["bfloat16"]
@@ -35,20 +35,8 @@ def _compile(cfg, devices=None):
   """(HLO text, mesh, number of parameters) of the train step of `cfg`."""
   devices = jax.devices() if devices is None else devices
   config_lib.validate(cfg, len(devices))
-  mesh, task, tx, schedule = loop.build(cfg, "", devices)
-  batch_sh = parallel.batch_sharding(mesh)
-  feed = parallel.Feed(task.batch_size, batch_sh)
-  try:
-    host = next(task.batches("train", feed.lo, feed.hi))  # the shapes and dtypes of one batch
-  except (FileNotFoundError, ValueError) as e:  # a text corpus not prepared
-    raise config_lib.ConfigError(str(e)) from e
-  batch = {k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=batch_sh)
-           for k, v in host.items()}
-  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       state_lib.abstract_state(task, tx), shardings)
+  train_fn, state, batch, mesh = abstract_step(cfg, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     text = train_fn.lower(state, batch).compile().as_text()
   return text, mesh, sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
 
