@@ -64,16 +64,17 @@ QUICK = dict(pretrain_steps=12, n_pretrain=2000, n_eval=16, n_sft=64, sft_steps=
 # chain (item 6, 8 a): the base above on 2-digit problems with chain_noise wrong answers (config.py's model,
 # pretrain_steps), SFT on chain_sft clean problems (chain_sft_steps, a checkpoint every chain_sft_every; RL
 # starts from the first whose accuracy on n_select RL prompts reaches chain_sft_target), then GRPO and PPO from
-# that step on n_rl prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one each).
+# that step on n_rl prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one each),
+# sampled at rl_temperature.
 # The README's run and the slow test (tests/posttrain/test_chain.py) use this budget.
 CHAIN = dict(FULL, pretrain_steps=300, n_pretrain=20_000, n_eval=200, digits=dict(min_digits=2, max_digits=2),
              chain_noise=0.2, chain_sft=200, chain_sft_steps=100, chain_sft_every=10, chain_sft_lr=3e-3,
-             chain_sft_target=0.3, n_select=200, n_rl=1000, rl_steps=80, rl_every=20, rl_batch=16, group=8,
-             rl_seq_len=12, rl_new_tokens=5, grpo_lr=3e-4, grpo_kl=0.04, ppo_lr=3e-4, ppo_kl=0.05, rl_window=10)
+             chain_sft_target=0.3, n_select=200, n_rl=1000, rl_steps=200, rl_every=40, rl_batch=32, group=8,
+             rl_temperature=0.7, rl_seq_len=12, rl_new_tokens=5, grpo_lr=2e-4, grpo_kl=0.04, ppo_lr=3e-4,
+             ppo_kl=0.05, rl_window=10)
 QUICK.update(chain_noise=0.2, chain_sft=32, chain_sft_steps=2, chain_sft_every=1, chain_sft_lr=1e-3, n_rl=32,
-             chain_sft_target=0.3, n_select=8,
-             rl_steps=2, rl_every=1, rl_batch=2, group=4, rl_seq_len=16, rl_new_tokens=6, grpo_lr=1e-4, grpo_kl=0.04,
-             ppo_lr=1e-4, ppo_kl=0.05, rl_window=1)
+             chain_sft_target=0.3, n_select=8, rl_steps=2, rl_every=1, rl_batch=2, group=4, rl_temperature=0.7,
+             rl_seq_len=16, rl_new_tokens=6, grpo_lr=1e-4, grpo_kl=0.04, ppo_lr=1e-4, ppo_kl=0.05, rl_window=1)
 
 
 def base_config(data_path: str, b: dict, quick: bool, seed: int):
@@ -263,7 +264,8 @@ def rl_config(base_cfg, task: str, prompts_path: str, sft_dir: str, b: dict):
   group = b["group"] if task == "grpo" else 1
   c.train.update(task=task, steps=b["rl_steps"], batch_size=b["rl_batch"] * b["group"] // group,
                  seq_len=b["rl_seq_len"], log_every=1, eval_every=0)
-  c.posttrain.update(train_path=prompts_path, group_size=group, max_new_tokens=b["rl_new_tokens"], temperature=1.0,
+  c.posttrain.update(train_path=prompts_path, group_size=group, max_new_tokens=b["rl_new_tokens"],
+                     temperature=b["rl_temperature"],
                      top_k=0, top_p=1.0, clip_eps=0.2, kl_coef=b[f"{task}_kl"], rewards="exact_match:1.0")
   c.optim.update(lr=b[f"{task}_lr"], warmup_steps=max(1, b["rl_steps"] // 20), schedule="constant",
                  weight_decay=0.0)
@@ -352,6 +354,7 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
           "sft_examples": b["chain_sft"], "sft_lr": b["chain_sft_lr"], "sft_batch_rows": b["sft_batch"],
           "sft_steps_run": b["chain_sft_steps"], "sft_target": b["chain_sft_target"], "select_prompts": len(select),
           "rl_prompts": b["n_rl"], "rl_prompts_a_step": b["rl_batch"], "group_size": b["group"],
+          "rl_temperature": b["rl_temperature"],
           "grpo_lr": b["grpo_lr"], "ppo_lr": b["ppo_lr"], "grpo_kl_coef": b["grpo_kl"], "ppo_kl_coef": b["ppo_kl"],
           "stages": stages, "sft_curve": sft_curve, "rl": rl}
 
@@ -490,7 +493,8 @@ def main(argv=None) -> dict:
     t0 = time.time()
     budget = budgets.get(study, QUICK if a.quick else FULL)
     r = STUDIES[study](a.out, budget, a.quick, a.seed)
-    command = f"python experiments/posttrain/run.py --study {study}" + (" --quick" if a.quick else "")
+    command = (f"python experiments/posttrain/run.py --study {study}" + (" --quick" if a.quick else "") +
+               (f" --seed {a.seed}" if a.seed else ""))
     r = {"study": study, "machine": machine, "command": command, "wall_s": round(time.time() - t0, 1),
          "base_pretrain_steps": budget["pretrain_steps"], **r}
     dest = os.path.join(a.results or (a.out if a.quick else HERE), study)

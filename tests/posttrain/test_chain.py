@@ -1,11 +1,11 @@
 """The whole post-training chain on the exact task (issue 13 item 6), `experiments/posttrain/run.py --study
 chain` (its CHAIN budget, the README's run): pre-training on 2-digit additions with 20% wrong answers, SFT on
 200 clean problems, then GRPO and PPO from the same SFT model with an exact-match reward. Both must raise
-held-out greedy exact match over the SFT model and log their reward curve and KL every step.
+held-out greedy exact match over the SFT model by at least 20 points and log their reward curve and KL every
+step.
 
-Measured (README): SFT 52.5% -> GRPO 58.5%, PPO 59.0% after 80 steps: the issue's target of +20 points for GRPO
-is NOT met at this budget (larger RL learning rates collapse the reward; see the README), so the test asks
-for a rise of 3 points."""
+Measured (README): SFT 52.5% -> GRPO 80.0% (+27.5 points), PPO 81.5% (+29.0) after 200 steps of 256 samples at
+temperature 0.7; the test asks for the issue's +20 from both."""
 
 import json
 import os
@@ -30,11 +30,11 @@ def test_grpo_and_ppo_raise_exact_match_over_the_sft_model(tmp_path):
   assert list(acc) == ["pre-train", "SFT", "GRPO", "PPO"]
   assert r["eval_prompts"] == 200 and r["noise"] == 0.2
   assert acc["SFT"] < 0.8  # the SFT model is clearly below the ceiling: room for RL
-  assert acc["GRPO"] >= acc["SFT"] + 0.03
-  assert acc["PPO"] >= acc["SFT"] + 0.03
+  assert acc["GRPO"] >= acc["SFT"] + 0.20  # the issue's target
+  assert acc["PPO"] >= acc["SFT"] + 0.20
   for task in ("grpo", "ppo"):
     steps = r["rl"][task]["steps"]
-    assert [s["step"] for s in steps] == list(range(1, 81))  # every step logged
+    assert [s["step"] for s in steps] == list(range(1, 201))  # every step logged
     reward, std, kl = (np.array([s[k] for s in steps]) for k in ("reward_mean", "reward_std", "kl"))
     assert np.all((reward >= 0) & (reward <= 1)) and np.all(std >= 0)
     # a 0/1 reward: its spread over a step's samples is that of a Bernoulli with the step's mean

@@ -128,3 +128,4 @@ def test_chain_rl_configs_validate_and_see_the_same_samples(run, tmp_path):
     g, p = cfgs["grpo"], cfgs["ppo"]
     assert g.train.batch_size * g.posttrain.group_size == p.train.batch_size * p.posttrain.group_size
     assert p.posttrain.group_size == 1 and g.posttrain.group_size >= 2
+    assert g.posttrain.temperature == p.posttrain.temperature == budget["rl_temperature"]  # both sample alike
