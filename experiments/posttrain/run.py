@@ -265,8 +265,8 @@ def rl_config(base_cfg, task: str, prompts_path: str, sft_dir: str, b: dict):
   c.train.update(task=task, steps=b["rl_steps"], batch_size=b["rl_batch"] * b["group"] // group,
                  seq_len=b["rl_seq_len"], log_every=1, eval_every=0)
   c.posttrain.update(train_path=prompts_path, group_size=group, max_new_tokens=b["rl_new_tokens"],
-                     temperature=b["rl_temperature"],
-                     top_k=0, top_p=1.0, clip_eps=0.2, kl_coef=b[f"{task}_kl"], rewards="exact_match:1.0")
+                     temperature=b["rl_temperature"], top_k=0, top_p=1.0, clip_eps=0.2, kl_coef=b[f"{task}_kl"],
+                     rewards="exact_match:1.0")
   c.optim.update(lr=b[f"{task}_lr"], warmup_steps=max(1, b["rl_steps"] // 20), schedule="constant",
                  weight_decay=0.0)
   c.checkpoint.update(init_from=sft_dir, every_steps=b["rl_every"], keep_every_steps=b["rl_every"])
