@@ -130,7 +130,7 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
   memory, n_params = memory_bytes(cfg, shape, device_kind)
   flops = flops_per_step(cfg)
   peak, source = devices_lib.peak_flops(device_kind, cfg.model.compute_dtype)
-  eff = devices_lib.efficiency(device_kind, n_devices)
+  eff = devices_lib.EFFICIENCY[device_kind]
   if device_kind == "cpu":  # one host: its virtual devices share the cores the probe measured
     compute = flops / (peak * eff)
   else:
