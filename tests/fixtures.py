@@ -31,3 +31,12 @@ class Batches:
 
   def __call__(self, index: int) -> dict:
     return self.feed.batch(self.source, index)
+
+
+def cpu_vendor() -> str:
+  """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), "unknown" where there is none."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "unknown")
+  except OSError:
+    return "unknown"

@@ -110,5 +110,7 @@ def test_reference_is_init_from_sharded_like_the_policy_and_frozen(tmp_path):
 @pytest.mark.slow  # > 10 s: the default suite stays under 10 minutes
 def test_dpo_tiny_config_trains(tmp_path):
   final, rows = run_config("dpo_tiny", str(tmp_path))
-  assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(2)) < 1e-6 and rows[0]["kl"] == 0.0  # policy == reference
+  # policy == reference: the KL is 0 up to rounding (the policy's and the reference's log-probs are separate
+  # programs; on an AMD EPYC host they differ in the last bits: KL 6.9e-10)
+  assert len(rows) == 3 and abs(rows[0]["loss"] - np.log(2)) < 1e-6 and abs(rows[0]["kl"]) < 1e-6
   assert {"reward_margin", "accuracy", "kl", "eval_reward_margin"} <= set(final)

@@ -11,19 +11,11 @@ import json
 import os
 import sys
 
-from tests.fixtures import ROOT
+from tests.fixtures import ROOT, cpu_vendor
 
 STEPS = 30
 FIXTURE = os.path.join(ROOT, "tests", "golden", "seams_losses.json")  # {cpu vendor: {config: losses}}
 
-
-def cpu_vendor() -> str:
-  """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), "unknown" where there is none."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "unknown")
-  except OSError:
-    return "unknown"
 
 
 def write_corpus(directory: str) -> str:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.fixtures import cpu_vendor
 from tests.train import seams_reference as ref
 
 
@@ -20,9 +21,9 @@ def runs(tmp_path_factory):
 def test_losses_bitwise_equal_to_before_the_seams(runs, name):
   with open(ref.FIXTURE) as f:
     recorded = json.load(f)
-  if ref.cpu_vendor() not in recorded:
-    pytest.skip(f"no reference recorded on a {ref.cpu_vendor()} CPU (tests/train/seams_reference.py says how)")
-  want = recorded[ref.cpu_vendor()][name]
+  if cpu_vendor() not in recorded:
+    pytest.skip(f"no reference recorded on a {cpu_vendor()} CPU (tests/train/seams_reference.py says how)")
+  want = recorded[cpu_vendor()][name]
   tmp, cfgs = runs
   got = ref.losses(cfgs[name], f"{tmp}/{name}")
   assert len(got["loss"]) == ref.STEPS
