@@ -17,7 +17,6 @@ STEPS = 30
 FIXTURE = os.path.join(ROOT, "tests", "golden", "seams_losses.json")  # {cpu vendor: {config: losses}}
 
 
-
 def write_corpus(directory: str) -> str:
   """A deterministic text corpus: 120 documents of pseudo-English, a few KiB each."""
   import random
