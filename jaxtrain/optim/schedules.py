@@ -23,10 +23,12 @@ def warmup_constant(lr, warmup):
 
 
 def make_schedule(o, steps: int):
-  """The schedule named by `optim.schedule`."""
+  """The schedule named by `optim.schedule`. A run shorter than its warmup (config validation lets only a
+  one-step run through, `--config.train.steps=1` on any config) takes its steps at the peak rate."""
+  warmup = min(o.warmup_steps, max(steps - 1, 0))
   schedules = {
-      "cosine": lambda: warmup_cosine(o.lr, steps, o.warmup_steps, o.min_lr_ratio),
-      "wsd": lambda: warmup_stable_decay(o.lr, steps, o.warmup_steps, o.min_lr_ratio, o.decay_fraction),
-      "constant": lambda: warmup_constant(o.lr, o.warmup_steps),
+      "cosine": lambda: warmup_cosine(o.lr, steps, warmup, o.min_lr_ratio),
+      "wsd": lambda: warmup_stable_decay(o.lr, steps, warmup, o.min_lr_ratio, o.decay_fraction),
+      "constant": lambda: warmup_constant(o.lr, warmup),
   }
   return schedules[o.schedule]()

@@ -51,6 +51,7 @@ def test_nonfinite_update_is_skipped_and_counted():
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow  # ~26 s on 2 cores: the default suite stays under 10 minutes
 def test_skipped_steps_read_by_name_through_a_wrapped_chain():
   """Wrapping the chain (here: nested in another chain behind a leading transformation) must not turn
   the counter into 0, as `getattr(opt_state, "total_notfinite", 0)` did."""
@@ -72,6 +73,7 @@ def test_guard_covers_the_update_not_only_the_gradient():
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(state0.params))
 
 
+@pytest.mark.slow  # ~18 s on 2 cores: the default suite stays under 10 minutes
 def test_weight_decay_mask_excludes_norms():
   cfg = tiny_config()
   model = loop.build(cfg, "", jax.devices()[:1])[1].model
@@ -93,7 +95,16 @@ def test_schedules():
   assert 0.1 < float(wsd(90)) < 1.0
 
 
-@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_a_one_step_run_takes_its_step_at_the_peak_rate(schedule):
+  """`--config.train.steps=1` on a config with warmup (tiny's is 50): cosine raised optax's "requires
+  positive decay_steps" and constant stepped at lr 0."""
+  o = tiny_config().optim
+  o.update(lr=3e-3, warmup_steps=50, schedule=schedule)
+  assert float(optim.make_schedule(o, 1)(0)) == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize("name", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])  # muon: ~31 s
 def test_optimizers_reduce_loss(name):
   cfg = tiny_config(mesh=dict(data=1), optim=dict(name=name, lr=2e-2, warmup_steps=1), train=dict(steps=30))
   cfg.data.update(symbols=8, max_symbols=8)
