@@ -18,7 +18,8 @@ PACKAGE = os.path.join(ROOT, "jaxtrain")
 LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels"}, {"model"}, {"parallel"},
           {"optim"}, {"train", "plan"}, {"posttrain"}, {"plotting"}]  # plan: the planner, built on train's builders
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by train and later layers
-INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.pretrained", "jaxtrain.checkpoint.convert"}
+INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.hf_rope", "jaxtrain.checkpoint.pretrained",
+           "jaxtrain.checkpoint.convert"}
 ROOTS = {None, "__main__"}  # the package face and the CLI may import anything of jaxtrain
 
 
