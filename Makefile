@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $@
 
-.PHONY: setup train test test-all bench
+.PHONY: setup train test test-all test-long bench
 setup: $(VENV)/.installed
 
 train: setup
@@ -27,6 +27,11 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m ""
+
+# The `long` runs (over 5 minutes each on 2 cores: long_16k's 20 steps, the comm-quality schemes, the
+# post-training chain), which CI's 90 minutes leave out; run them when their code changes.
+test-long: setup
+	$(PY) -m pytest -q $(XDIST) -m long
 
 bench: setup
 	$(PY) benchmarks/train_step.py

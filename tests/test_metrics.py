@@ -1,12 +1,12 @@
 """FLOP formula against XLA's count, MFU inputs, and the metric sinks."""
 
-import json
 import os
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxtrain import metrics
 from jaxtrain.train import loop, state as state_lib
@@ -14,6 +14,7 @@ from jaxtrain.train.step import make_train_step
 from tests.fixtures import tiny_config
 
 
+@pytest.mark.slow  # ~23 s on 2 cores: the default suite stays under 10 minutes
 def test_flops_formula_matches_xla_cost_analysis():
   cfg = tiny_config(mesh=dict(data=1), model=dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768,
                                                   vocab_size=512, max_seq_len=128,

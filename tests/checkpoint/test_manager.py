@@ -181,6 +181,7 @@ def stderr_logging():
     root.setLevel(level)
 
 
+@pytest.mark.slow  # ~35 s on 2 cores: the default suite stays under 10 minutes
 def test_train_resume_and_restore_log_nothing_from_dependencies(tmp_path, capfd):
   one = dict(devices=jax.devices()[:1], progress=False, sync_every_step=True)
   workdir = str(tmp_path / "run")

@@ -129,6 +129,7 @@ def test_prepare_names_the_flag_when_no_eval_split_can_be_held_out(tmp_path):
                  progress=False)["kept"] == 1
 
 
+@pytest.mark.slow  # ~27 s on 2 cores: the default suite stays under 10 minutes
 def test_one_document_corpus_trains_with_evaluation(tmp_path):
   (tmp_path / "book.txt").write_text("".join(f"line {i}: the quick brown fox. " for i in range(60)))
   cfg = tiny_config(model=dict(vocab_size=264, max_seq_len=32), mesh=dict(data=-1, rules="dp"),

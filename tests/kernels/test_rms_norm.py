@@ -45,6 +45,7 @@ def test_kernel_equals_reference(shape, block_rows, dtype):
     _close(got, want, TOL[dtype])
 
 
+@pytest.mark.slow  # ~25 s on 2 cores: the default suite stays under 10 minutes
 def test_decoder_with_fused_norm_equals_unfused():
   """Loss and gradients of a tiny model, the block's add + mlp_norm as the Pallas kernel vs separate ops."""
   cfg = tiny_config(model=dict(n_layers=1), train=dict(batch_size=4))

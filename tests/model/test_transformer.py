@@ -73,7 +73,8 @@ def test_scanned_and_unrolled_share_params_and_outputs():
                              rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.parametrize("kv_heads", [pytest.param(4, marks=pytest.mark.slow), 2,  # MHA (slow: ~15 s each), GQA,
+                                      pytest.param(1, marks=pytest.mark.slow)])  # MQA
 def test_kv_cache_decoding_equals_full_forward(kv_heads):
   m, params, tokens = make(n_kv_heads=kv_heads, tie_embeddings=False)
   full = m.apply({"params": params}, tokens)

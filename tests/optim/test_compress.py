@@ -80,6 +80,7 @@ def transformation_run(mesh, fmt, feedback, grads, steps):
   return per_replica(body, mesh, (P("replica"), specs), (P(), specs))(grads, state)
 
 
+@pytest.mark.slow  # ~21 s on 2 cores: the default suite stays under 10 minutes
 def test_error_feedback_cancels_the_bias_of_int4_over_steps(mesh):
   grads = np.stack([blocks_of_mixed_scale((1, 2048), seed=20 + r)[0] for r in range(R)])
   exact, steps = grads.sum(0), 16

@@ -21,6 +21,7 @@ SCRIPT = os.path.join(ROOT, "experiments", "posttrain", "run.py")
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 7-9 min: `make test-long`
 @pytest.mark.xfail(cpu_vendor() != "GenuineIntel", strict=True,
                    reason="a known miss, measured 2026-12-02 on an AMD EPYC host: XLA:CPU's rounding there leaves "
                    "seed 0's model before its jump through pre-training and SFT (2.0%, SFT 6.5%), and RL from it adds "

@@ -17,6 +17,7 @@ from jaxtrain.train import comm, loop, state as state_lib
 from tests.fixtures import ROOT, tiny_config
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: the default suite stays under 10 minutes
 def test_f32_reduction_over_replica_is_ring_all_reduce_of_every_parameter():
   cfg = tiny_config(mesh=dict(replica=4, data=2), optim=dict(reduce_axis="replica"), train=dict(batch_size=16))
   _, task, tx, _ = loop.build(cfg, "")
@@ -66,6 +67,7 @@ def cli(*argv):
                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow  # ~27 s on 2 cores: the default suite stays under 10 minutes
 def test_cli_prints_the_table_and_the_projection():
   p = cli("--config.mesh.replica=4", "--config.optim.reduce_axis=replica", "--project")
   assert p.returncode == 0, p.stderr[-3000:]

@@ -19,7 +19,7 @@ import jaxtrain
 from jaxtrain.config_files import load_config_file
 from tests.fixtures import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # 19-23 min as a module: `make test-long`
 
 STEPS = 400  # configs/tiny.py's length; see the module docstring
 MID = 100  # within the copy-learning transition (experiments/comm_efficiency/README.md)

@@ -56,6 +56,7 @@ def test_all_nonfinite_updates_stop_the_run_with_one_line(tmp_path):
   assert rows[-1]["step"] < 12 and rows[-1]["consecutive_skips"] >= 5  # stopped early, not after 40 steps
 
 
+@pytest.mark.slow  # ~33 s on 2 cores: the default suite stays under 10 minutes
 def test_rollback_restores_the_last_good_checkpoint_and_skips_the_bad_batches(tmp_path):
   cfg = tiny_config(train=dict(steps=16), checkpoint=dict(every_steps=4, keep=5),
                     optim=dict(max_consecutive_skips=3, on_divergence="rollback"))

@@ -27,6 +27,16 @@ def trained(tmp_path_factory):
   return workdir
 
 
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+  """A one-step dense run on one device (vocab 64, max_seq_len 32, as `trained`): what the argument checks
+  read, a few seconds where the MoE run on 8 devices takes ~40."""
+  workdir = str(tmp_path_factory.mktemp("dense"))
+  jaxtrain.train(tiny_config(train={"steps": 1}, mesh={"data": 1}), workdir, devices=jax.devices()[:1],
+                 progress=False, sync_every_step=True)
+  return workdir
+
+
 def reference(workdir, max_new_tokens):
   """Greedy continuation of PROMPT by the saved params and expert biases, with generate called directly."""
   cfg = workdir_lib.load_config(workdir)
@@ -78,13 +88,13 @@ def test_sample_reads_params_alone_on_one_device_without_a_word(trained, capfd, 
     (["--max_new_tokens", "0"], "max_new_tokens=0"),
     (["--max_new_tokens", "27"], "max_seq_len=32"),  # the prompt is 6 tokens
 ])
-def test_bad_sampling_arguments_are_one_line_exit_2(trained, capsys, flags, named):
-  rc = cli.main(["sample", "--workdir", trained, "--prompt", PROMPT, "--max_new_tokens", "4", *flags])
+def test_bad_sampling_arguments_are_one_line_exit_2(dense, capsys, flags, named):
+  rc = cli.main(["sample", "--workdir", dense, "--prompt", PROMPT, "--max_new_tokens", "4", *flags])
   out, err = capsys.readouterr()
   assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ") and named in err, err
 
 
-def test_top_k_equal_to_vocab_and_longest_continuation_are_fine(trained, capsys):
-  rc = cli.main(["sample", "--workdir", trained, "--prompt", PROMPT, "--max_new_tokens", "26", "--top_k", "64",
+def test_top_k_equal_to_vocab_and_longest_continuation_are_fine(dense, capsys):
+  rc = cli.main(["sample", "--workdir", dense, "--prompt", PROMPT, "--max_new_tokens", "26", "--top_k", "64",
                  "--temperature", "1.0"])
   assert rc == 0 and capsys.readouterr().err == ""

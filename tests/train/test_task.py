@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxtrain
 from jaxtrain import metrics
@@ -65,6 +66,7 @@ class PairwiseTask(jaxtrain.Task):
     return Pairs(self.cfg.model.vocab_size, self.length, self.cfg.train.seed, lo, hi, split)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: the default suite stays under 10 minutes
 def test_a_pairwise_task_trains_on_a_2x4_mesh_without_touching_train(tmp_path):
   cfg = tiny_config(mesh=dict(data=2, fsdp=4), train=dict(steps=30, batch_size=16, seq_len=12, eval_every=30,
                                                           eval_batches=2, log_every=1),

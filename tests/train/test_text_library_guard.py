@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.fixtures import ROOT
 
 SCRIPT = '''\
@@ -33,6 +35,7 @@ print(json.dumps({{"loss": final["loss"], "eval_loss": final["eval_loss"], "star
 '''
 
 
+@pytest.mark.slow  # ~26 s on 2 cores: the default suite stays under 10 minutes
 def test_unguarded_script_trains_text_with_prepare_workers(tmp_path):
   corpus = tmp_path / "corpus"
   corpus.mkdir()
