@@ -62,23 +62,26 @@ FULL = dict(pretrain_steps=800, n_pretrain=100_000, n_eval=300, n_sft=2000, sft_
 QUICK = dict(pretrain_steps=12, n_pretrain=2000, n_eval=16, n_sft=64, sft_steps=3, sft_batch=8,
              sft_lr=1e-3, domain_steps=3)
 # chain (item 6, 8 a): the base above on 2-digit problems with chain_noise wrong answers (config.py's model,
-# pretrain_steps), SFT on chain_sft clean problems (chain_sft_steps, a checkpoint every chain_sft_every; RL
-# starts from the first whose accuracy on n_select RL prompts reaches chain_sft_target), then GRPO and PPO from
-# that step on n_rl prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one each),
-# sampled at rl_temperature.
+# pretrain_steps, a checkpoint every chain_base_every from chain_base_from on), SFT on chain_sft clean problems
+# (chain_sft_steps, a checkpoint every chain_sft_every) from each of those base checkpoints in turn until one
+# SFT step answers chain_sft_target of n_select RL prompts: RL starts there. Then GRPO and PPO from that step
+# on n_rl prompts: rl_batch prompts x group samples a step (PPO: rl_batch * group prompts, one each), sampled
+# at rl_temperature. Where the model's jump comes in pre-training, and whether clean SFT triggers it, varies
+# with the seed and the CPU (README): the search finds, for each, the earliest base that SFT makes partly right.
 # The README's run and the slow test (tests/posttrain/test_chain.py) use this budget.
-CHAIN = dict(FULL, pretrain_steps=300, n_pretrain=20_000, n_eval=200, digits=dict(min_digits=2, max_digits=2),
-             chain_noise=0.2, chain_sft=200, chain_sft_steps=100, chain_sft_every=10, chain_sft_lr=3e-3,
-             chain_sft_target=0.3, n_select=200, n_rl=1000, rl_steps=200, rl_every=40, rl_batch=32, group=8,
-             rl_temperature=0.7, rl_seq_len=12, rl_new_tokens=5, grpo_lr=2e-4, grpo_kl=0.04, ppo_lr=3e-4,
-             ppo_kl=0.05, rl_window=10)
-QUICK.update(chain_noise=0.2, chain_sft=32, chain_sft_steps=2, chain_sft_every=1, chain_sft_lr=1e-3, n_rl=32,
-             chain_sft_target=0.3, n_select=8, rl_steps=2, rl_every=1, rl_batch=2, group=4, rl_temperature=0.7,
-             rl_seq_len=16, rl_new_tokens=6, grpo_lr=1e-4, grpo_kl=0.04, ppo_lr=1e-4, ppo_kl=0.05, rl_window=1)
+CHAIN = dict(FULL, pretrain_steps=600, n_pretrain=20_000, n_eval=200, digits=dict(min_digits=2, max_digits=2),
+             chain_noise=0.2, chain_base_from=300, chain_base_every=50, chain_sft=200, chain_sft_steps=100,
+             chain_sft_every=10, chain_sft_lr=3e-3, chain_sft_target=0.3, n_select=200, n_rl=1000, rl_steps=200,
+             rl_every=40, rl_batch=32, group=8, rl_temperature=0.7, rl_seq_len=12, rl_new_tokens=5, grpo_lr=2e-4,
+             grpo_kl=0.04, ppo_lr=3e-4, ppo_kl=0.05, rl_window=10)
+QUICK.update(chain_noise=0.2, chain_base_from=6, chain_base_every=6, chain_sft=32, chain_sft_steps=2,
+             chain_sft_every=1, chain_sft_lr=1e-3, n_rl=32, chain_sft_target=0.3, n_select=8, rl_steps=2, rl_every=1,
+             rl_batch=2, group=4, rl_temperature=0.7, rl_seq_len=16, rl_new_tokens=6, grpo_lr=1e-4, grpo_kl=0.04,
+             ppo_lr=1e-4, ppo_kl=0.05, rl_window=1)
 
 
 def base_config(data_path: str, b: dict, quick: bool, seed: int):
-  c = PRETRAIN.tiny_config(data_path, b["pretrain_steps"], b["pretrain_steps"], seed)
+  c = PRETRAIN.tiny_config(data_path, b["pretrain_steps"], b.get("base_every", b["pretrain_steps"]), seed)
   if "model" in b:
     c.model.update(**b["model"])
   if quick:
@@ -289,47 +292,63 @@ def curve_stats(values, window: int) -> dict:
           "steps_to_converge": int(reached[0] + window) if len(reached) else None}
 
 
+def keep_step(workdir: str, step: int, dest: str) -> str:
+  """A checkpoint tier holding `step` of workdir alone, for `checkpoint.init_from` (which takes the newest)."""
+  shutil.rmtree(dest, ignore_errors=True)
+  shutil.copytree(os.path.join(workdir, "checkpoints", str(step)), os.path.join(dest, str(step)))
+  return dest
+
+
 def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
   digits = b.get("digits", {})
-  base_cfg, base_dir, paths = train_base(out, b, quick, seed, noise=b["chain_noise"])
+  base_cfg, base_dir, paths = train_base(out, {**b, "base_every": b["chain_base_every"]}, quick, seed,
+                                         noise=b["chain_noise"])
   evals = exact.read_jsonl(paths["eval"])
   prompts, answers = [r["prompt"] for r in evals], [r["answer"] for r in evals]
   new_tokens = b["rl_new_tokens"]
+  d = os.path.join(out, "chain")
+  # RL prompts: training-side problems (none held out) with their answers, another stream than the SFT set's.
+  # The first n_select of them choose the base and RL's start: the held-out prompts choose nothing.
+  rl_rows = exact.make_sets(0, b["n_rl"], 0, 0, 0.0, seed + 1, **digits)["sft"]
+  rl_path = write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in rl_rows],
+                        os.path.join(d, "rl.jsonl"))
+  select = rl_rows[:b["n_select"]]
 
   def accuracy(workdir, step):
     return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), prompts, answers), 4)
 
-  stages = [{"stage": "pre-train (noisy)", "steps": b["pretrain_steps"],
-             "accuracy": accuracy(base_dir, b["pretrain_steps"])}]
-  print(json.dumps(stages[-1]), flush=True)
-  # SFT on a small clean set, checkpoints kept along the way for its accuracy curve
+  def select_accuracy(workdir, step):
+    return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), [r["prompt"] for r in select],
+                                [r["completion"] for r in select]), 4)
+
+  # SFT on a small clean set, from each kept base step in turn, until an SFT step reaches the target (else the
+  # last base's last step): the earliest base that clean SFT makes partly right, as RL needs
   sets = exact.make_sets(0, b["chain_sft"], 0, 0, 0.0, seed, **digits)
-  d = os.path.join(out, "chain")
   sft_path = write_jsonl(sets["sft"], os.path.join(d, "sft.jsonl"))
   eval_sft = write_jsonl([{"prompt": p, "completion": a} for p, a in zip(prompts, answers)],
                          os.path.join(d, "eval_sft.jsonl"))
   sft_b = {**b, "sft_lr": b["chain_sft_lr"]}
-  c = sft_config(base_cfg, sft_path, eval_sft, base_dir, b["chain_sft_steps"], sft_b)
-  c.checkpoint.update(every_steps=b["chain_sft_every"], keep_every_steps=b["chain_sft_every"])
-  sft_dir = os.path.join(d, "sft")
-  sft_s = sft(c, sft_dir)
-  # RL prompts: training-side problems (none held out) with their answers, another stream than the SFT set's
-  rl_rows = exact.make_sets(0, b["n_rl"], 0, 0, 0.0, seed + 1, **digits)["sft"]
-  rl_path = write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in rl_rows],
-                        os.path.join(d, "rl.jsonl"))
-  # RL starts from the first kept SFT step that answers chain_sft_target of the first n_select RL prompts (the
-  # training side: the held-out prompts choose nothing), else the last: a model partly right, as RL needs
-  select = rl_rows[:b["n_select"]]
-  sft_curve = []
-  for s in range(b["chain_sft_every"], b["chain_sft_steps"] + 1, b["chain_sft_every"]):
-    chosen = round(exact.accuracy(lambda ps: greedy(sft_dir, s, ps, new_tokens), [r["prompt"] for r in select],
-                                  [r["completion"] for r in select]), 4)
-    sft_curve.append({"step": s, "accuracy": accuracy(sft_dir, s), "rl_prompt_accuracy": chosen})
-    print(json.dumps(sft_curve[-1]), flush=True)
-  start = next((x for x in sft_curve if x["rl_prompt_accuracy"] >= b["chain_sft_target"]), sft_curve[-1])
-  start_dir = os.path.join(d, "sft_start")  # a checkpoint tier holding the chosen step alone: RL's init_from
-  shutil.rmtree(start_dir, ignore_errors=True)
-  shutil.copytree(os.path.join(sft_dir, "checkpoints", str(start["step"])), os.path.join(start_dir, str(start["step"])))
+  sft_steps = range(b["chain_sft_every"], b["chain_sft_steps"] + 1, b["chain_sft_every"])
+  search = []
+  for base_step in range(b["chain_base_from"], b["pretrain_steps"] + 1, b["chain_base_every"]):
+    c = sft_config(base_cfg, sft_path, eval_sft, keep_step(base_dir, base_step, os.path.join(d, "base_start")),
+                   b["chain_sft_steps"], sft_b)
+    c.checkpoint.update(every_steps=b["chain_sft_every"], keep_every_steps=b["chain_sft_every"])
+    sft_dir = os.path.join(d, "sft")
+    sft_s = sft(c, sft_dir)
+    curve = [{"step": s, "rl_prompt_accuracy": select_accuracy(sft_dir, s)} for s in sft_steps]
+    search.append({"base_step": base_step, "base_rl_prompt_accuracy": select_accuracy(base_dir, base_step),
+                   "sft_rl_prompt_accuracy": [x["rl_prompt_accuracy"] for x in curve], "sft_train_s": sft_s})
+    print(json.dumps(search[-1]), flush=True)
+    start = next((x for x in curve if x["rl_prompt_accuracy"] >= b["chain_sft_target"]), None)
+    if start is not None:
+      break
+  start = start or curve[-1]
+  stages = [{"stage": "pre-train (noisy)", "steps": base_step, "accuracy": accuracy(base_dir, base_step)}]
+  print(json.dumps(stages[-1]), flush=True)
+  sft_curve = [{**x, "accuracy": accuracy(sft_dir, x["step"])} for x in curve]  # held out, the chosen SFT run's
+  start = next(x for x in sft_curve if x["step"] == start["step"])
+  start_dir = keep_step(sft_dir, start["step"], os.path.join(d, "sft_start"))  # RL's init_from
   stages.append({"stage": "SFT (clean)", "steps": start["step"], "accuracy": start["accuracy"], "train_s": sft_s})
   print(json.dumps(stages[-1]), flush=True)
   keys = ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "accuracy")
@@ -350,11 +369,11 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
                    "accuracy": evals_rl[-1]["accuracy"], "train_s": train_s})
     print(json.dumps({**stages[-1], **rl[task]["reward_stats"]}), flush=True)
   return {"noise": b["chain_noise"], "eval_prompts": len(prompts),
-          "digits": digits or {"min_digits": 2, "max_digits": 3},
-          "sft_examples": b["chain_sft"], "sft_lr": b["chain_sft_lr"], "sft_batch_rows": b["sft_batch"],
-          "sft_steps_run": b["chain_sft_steps"], "sft_target": b["chain_sft_target"], "select_prompts": len(select),
-          "rl_prompts": b["n_rl"], "rl_prompts_a_step": b["rl_batch"], "group_size": b["group"],
-          "rl_temperature": b["rl_temperature"],
+          "digits": digits or {"min_digits": 2, "max_digits": 3}, "pretrain_steps_run": b["pretrain_steps"],
+          "base_search": search, "sft_examples": b["chain_sft"], "sft_lr": b["chain_sft_lr"],
+          "sft_batch_rows": b["sft_batch"], "sft_steps_run": b["chain_sft_steps"], "sft_target": b["chain_sft_target"],
+          "select_prompts": len(select), "rl_prompts": b["n_rl"], "rl_prompts_a_step": b["rl_batch"],
+          "group_size": b["group"], "rl_temperature": b["rl_temperature"],
           "grpo_lr": b["grpo_lr"], "ppo_lr": b["ppo_lr"], "grpo_kl_coef": b["grpo_kl"], "ppo_kl_coef": b["ppo_kl"],
           "stages": stages, "sft_curve": sft_curve, "rl": rl}
 
@@ -364,7 +383,10 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
 def chain_table(r: dict) -> str:
   lines = ["| stage | steps | held-out greedy exact match |", "| --- | ---: | ---: |"]
   lines += [f"| {x['stage']} | {x['steps']} | {x['accuracy']:.1%} |" for x in r["stages"]]
-  lines += ["", "SFT: " + ", ".join(f"step {x['step']} {x['accuracy']:.1%}" for x in r["sft_curve"]), ""]
+  lines += ["", "Base search (accuracy on the RL-side prompts that choose): " + "; ".join(
+      f"step {x['base_step']}: base {x['base_rl_prompt_accuracy']:.1%}, SFT best {max(x['sft_rl_prompt_accuracy']):.1%}"
+      for x in r["base_search"]), ""]
+  lines += ["SFT (held out): " + ", ".join(f"step {x['step']} {x['accuracy']:.1%}" for x in r["sft_curve"]), ""]
   w = next(iter(r["rl"].values()))["reward_stats"]["window"]
   lines += [f"| RL from the SFT model | greedy, by step | reward, first {w} steps | reward, last {w} | "
             f"std of reward, last {w} | std of its step changes | steps to converge | KL, last {w} | train s |",
