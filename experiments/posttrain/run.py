@@ -313,13 +313,14 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
   rl_path = write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in rl_rows],
                         os.path.join(d, "rl.jsonl"))
   select = rl_rows[:b["n_select"]]
+  select_prompts, select_answers = [r["prompt"] for r in select], [r["completion"] for r in select]
 
-  def accuracy(workdir, step):
-    return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), prompts, answers), 4)
+  def accuracy(workdir, step, on=(prompts, answers)):
+    """Greedy exact match of `step` of workdir on the held-out prompts, or on `on` = (prompts, answers)."""
+    return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), *on), 4)
 
   def select_accuracy(workdir, step):
-    return round(exact.accuracy(lambda ps: greedy(workdir, step, ps, new_tokens), [r["prompt"] for r in select],
-                                [r["completion"] for r in select]), 4)
+    return accuracy(workdir, step, on=(select_prompts, select_answers))
 
   # SFT on a small clean set, from each kept base step in turn, until an SFT step reaches the target (else the
   # last base's last step): the earliest base that clean SFT makes partly right, as RL needs
@@ -340,14 +341,13 @@ def study_chain(out: str, b: dict, quick: bool, seed: int) -> dict:
     search.append({"base_step": base_step, "base_rl_prompt_accuracy": select_accuracy(base_dir, base_step),
                    "sft_rl_prompt_accuracy": [x["rl_prompt_accuracy"] for x in curve], "sft_train_s": sft_s})
     print(json.dumps(search[-1]), flush=True)
-    start = next((x for x in curve if x["rl_prompt_accuracy"] >= b["chain_sft_target"]), None)
-    if start is not None:
+    reached = [i for i, x in enumerate(curve) if x["rl_prompt_accuracy"] >= b["chain_sft_target"]]
+    if reached:
       break
-  start = start or curve[-1]
   stages = [{"stage": "pre-train (noisy)", "steps": base_step, "accuracy": accuracy(base_dir, base_step)}]
   print(json.dumps(stages[-1]), flush=True)
   sft_curve = [{**x, "accuracy": accuracy(sft_dir, x["step"])} for x in curve]  # held out, the chosen SFT run's
-  start = next(x for x in sft_curve if x["step"] == start["step"])
+  start = sft_curve[reached[0] if reached else -1]
   start_dir = keep_step(sft_dir, start["step"], os.path.join(d, "sft_start"))  # RL's init_from
   stages.append({"stage": "SFT (clean)", "steps": start["step"], "accuracy": start["accuracy"], "train_s": sft_s})
   print(json.dumps(stages[-1]), flush=True)
