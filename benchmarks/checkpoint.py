@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -26,7 +25,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.train_step import machine_lines, publish  # noqa: E402
 from jaxtrain import checkpoint, config_files, data, parallel  # noqa: E402
-from jaxtrain.train import loop, state as state_lib  # noqa: E402
+from jaxtrain import builder  # noqa: E402
+from jaxtrain.core import state as state_lib
 
 CHUNK = 64 << 20
 
@@ -88,15 +88,15 @@ def main():
   root = tempfile.mkdtemp(dir=args.dir or None)
   cfg.checkpoint.update(dir=os.path.join(root, "checkpoints"), keep=args.saves + 1, ocdbt=not args.no_ocdbt)
   devices = jax.devices()[:1]
-  mesh, task, tx, schedule = loop.build(cfg, root, devices)
+  mesh, task, tx, schedule = builder.build(cfg, root, devices)
   state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
   batches = lambda index: feed.batch(source, index)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, root)
   abstract = state_lib.abstract_state(task, tx)
   rows = []  # per repeat: step, blocking, save end-to-end, disk write, restore, disk read (seconds, bytes/s)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+  with parallel.activate(mesh, cfg.mesh.rules):
+    train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     state, m = train_fn(state, batches(0))  # compile
     jax.block_until_ready(m)
     for i in range(args.saves):

@@ -3,7 +3,7 @@
   python benchmarks/comm_overhead.py [--steps 10] [--rounds 7] [--only f32,int8] [--profile] [--record]
 
 configs/tiny.py on 8 virtual CPU devices as replica=4 x data=2 (set here, before jax starts). Each
-scheme's jitted train step is the loop's own (loop.build, state_lib.create_state, loop.compile_steps),
+scheme's jitted train step is the loop's own (builder.build, state_lib.create_state, builder.compile_steps),
 compiled and warmed up (3 steps) first; then `rounds` rounds, each timing `steps` steps of every scheme
 in turn, the order rotated each round (a slow spell of the shared machine hits every scheme alike). A
 step is timed until its metrics are ready (jax.block_until_ready). Reported: per scheme the median over
@@ -33,7 +33,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,7 +42,8 @@ from benchmarks.train_step import machine_lines, publish  # noqa: E402
 from jaxtrain import config as config_lib, config_files, data, parallel  # noqa: E402
 from jaxtrain import collectives  # noqa: E402
 from jaxtrain.optim import compress, quantize  # noqa: E402
-from jaxtrain.train import loop, state as state_lib  # noqa: E402
+from jaxtrain import builder  # noqa: E402
+from jaxtrain.core import state as state_lib
 
 SCHEMES = {  # name -> comm overrides on tiny with optim.reduce_axis=replica
     "f32": {},
@@ -70,13 +70,13 @@ class MeshStepper:
   def __init__(self, cfg, warmup: int = 3):
     devices = jax.devices()
     config_lib.validate(cfg, len(devices))
-    mesh, task, tx, schedule = loop.build(cfg, "", devices)
+    mesh, task, tx, schedule = builder.build(cfg, "", devices)
     self.state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
     feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
     self._batches = lambda index: feed.batch(source, index)
-    self._mesh, self._rules = mesh, parallel.RULES[cfg.mesh.rules]
-    with jax.set_mesh(mesh), nn.logical_axis_rules(self._rules):
-      self._train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+    self._mesh, self._rules = mesh, cfg.mesh.rules
+    with parallel.activate(mesh, self._rules):
+      self._train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     self._next = 0
     for _ in range(warmup):
       self.step()
@@ -84,7 +84,7 @@ class MeshStepper:
   def step(self) -> float:
     batch = self._batches(self._next)
     self._next += 1
-    with jax.set_mesh(self._mesh), nn.logical_axis_rules(self._rules):
+    with parallel.activate(self._mesh, self._rules):
       t = time.perf_counter()
       self.state, step_metrics = self._train_fn(self.state, batch)
       jax.block_until_ready(step_metrics)  # the state's update is part of the same program
@@ -138,7 +138,7 @@ def reduction_timers(formats: list[str]) -> dict:
   name -> callable returning the seconds of one call."""
   cfg = scheme_config("f32")
   devices = jax.devices()
-  mesh, task, tx, _ = loop.build(cfg, "", devices)
+  mesh, task, tx, _ = builder.build(cfg, "", devices)
   shards = mesh.shape["replica"]
   shapes = state_lib.abstract_state(task, tx).params
   keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes))))

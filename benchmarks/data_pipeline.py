@@ -43,16 +43,16 @@ def pipeline_tokens_per_sec(cfg, workdir, batches=200) -> float:
 
 def step_tokens_per_sec(cfg, workdir) -> float:
   import jax
-  import flax.linen as nn
   from jaxtrain import parallel
-  from jaxtrain.train import loop, state as state_lib
+  from jaxtrain import builder
+  from jaxtrain.core import state as state_lib
   cfg.mesh.data = 1
-  mesh, task, tx, schedule = loop.build(cfg, workdir, jax.devices()[:1])
+  mesh, task, tx, schedule = builder.build(cfg, workdir, jax.devices()[:1])
   state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   feed = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh))
   batch = feed.put(next(data.make_iterator(cfg, "train", 0, cfg.train.batch_size, workdir)))
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+  with parallel.activate(mesh, cfg.mesh.rules):
+    train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     times = []
     for _ in range(12):
       t = time.perf_counter()

@@ -48,17 +48,16 @@ def _bytes(shape_text: str) -> tuple[int, str]:
 
 def hlo_collectives() -> list[str]:
   """Runs in a subprocess with 8 virtual devices: the EP step's all-to-alls and all-gathers."""
-  import flax.linen as nn
-  import jax
   from jaxtrain import config_files, data, parallel
-  from jaxtrain.train import loop, state as state_lib
+  from jaxtrain import builder
+  from jaxtrain.core import state as state_lib
   cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
   cfg.mesh.update(data=2, expert=4, rules="fsdp_ep")
-  mesh, task, tx, schedule = loop.build(cfg)
+  mesh, task, tx, schedule = builder.build(cfg)
   state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   feed = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh))
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+  with parallel.activate(mesh, cfg.mesh.rules):
+    train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     text = train_fn.lower(state, feed.batch(data.make_source(cfg, "train"), 0)).compile().as_text()
   m, b, l = cfg.model, cfg.train.batch_size, cfg.train.seq_len
   lines = [f"activations [B, L, D] = [{b}, {l}, {m.d_model}] f32 = {b * l * m.d_model * 4 / 1024:.0f} KiB globally; "

@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxtrain import config_files  # noqa: E402
-from jaxtrain.train.lm import LanguageModel  # noqa: E402
+from jaxtrain.core.lm import LanguageModel  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,7 +23,8 @@ sys.path.insert(0, ROOT)
 
 from jaxtrain import config_files, data, metrics, parallel  # noqa: E402
 from jaxtrain.model import param_count  # noqa: E402
-from jaxtrain.train import loop, state as state_lib  # noqa: E402
+from jaxtrain import builder  # noqa: E402
+from jaxtrain.core import state as state_lib
 
 
 def time_config(name: str, steps: int, batch_size: int = 0) -> dict:
@@ -38,16 +39,15 @@ class Stepper:
   each `step()` takes the next batch and returns the seconds until its metrics are on the host."""
 
   def __init__(self, cfg):
-    import flax.linen as nn
     cfg.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
-    mesh, task, tx, schedule = loop.build(cfg, "", jax.devices()[:1])
+    mesh, task, tx, schedule = builder.build(cfg, "", jax.devices()[:1])
     self.state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
     feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
     self._batches = lambda index: feed.batch(source, index)
-    self._context = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
+    self._context = lambda: (parallel.activate(mesh, cfg.mesh.rules))
     mesh_ctx, rules_ctx = self._context()
     with mesh_ctx, rules_ctx:
-      self._train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+      self._train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     self._next = 0
     self.tokens = cfg.train.batch_size * cfg.train.seq_len
     self.sizes = {"params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params)),

@@ -42,8 +42,6 @@ def __getattr__(name: str):
   if name not in _LAZY:
     raise AttributeError(f"module 'jaxtrain' has no attribute {name!r}")
   module, attribute = _LAZY[name]
-  if module == "jaxtrain.train":
-    importlib.import_module("jaxtrain.posttrain")  # fills train.task.TASKS, so jaxtrain.train runs every task
   value = importlib.import_module(module)
   return value if attribute is None else getattr(value, attribute)
 

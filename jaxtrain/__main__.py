@@ -229,7 +229,6 @@ def main(argv=None) -> int:
     return 2
 
   import jaxtrain
-  import jaxtrain.posttrain  # noqa: F401 (fills train.task.TASKS: train.task sft, rm, dpo, grpo, ppo)
   if args.command == "train":
     try:
       final = jaxtrain.train(cfg, args.workdir, start_over=args.start_over)

@@ -12,8 +12,9 @@ import pytest
 from jaxtrain import config as config_lib, config_files
 from jaxtrain.__main__ import main
 from jaxtrain.model import param_count
-import jaxtrain.posttrain  # noqa: F401 (registers train.task sft, rm, dpo for loop.build)
-from jaxtrain.train import loop, state as state_lib
+import jaxtrain.posttrain  # noqa: F401 (registers train.task sft, rm, dpo for builder.build)
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
 
 from tests.fixtures import ROOT
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not p.endswith("__init__.py"))
@@ -25,7 +26,7 @@ EXPECTED_ACTIVE = {"mixtral_8x7b": 12.9e9}
 def test_config_builds_and_shards_abstractly(path):
   cfg = config_files.load_config_file(path)
   config_lib.validate(cfg, jax.device_count())
-  mesh, task, tx, _ = loop.build(cfg)
+  mesh, task, tx, _ = builder.build(cfg)
   model = task.model
   shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
   abstract = state_lib.abstract_state(task, tx)

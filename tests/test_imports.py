@@ -1,9 +1,9 @@
 """Imports point one way (docs/ARCHITECTURE.md):
 
-  config -> data -> collectives / kernels -> model -> parallel -> optim -> train -> posttrain
-                                                                     -> checkpoint / metrics (sinks)
+  config -> data -> collectives / kernels -> model -> parallel -> optim -> core -> posttrain -> builder
+    -> plan -> train                          (checkpoint / metrics: sinks, imported from core on)
 
-and `import jaxtrain` / `python -m jaxtrain --help` import no jax at all."""
+no module imports itself back through others (no import circle, lazy imports included), and `import jaxtrain` / `python -m jaxtrain --help` import no jax at all."""
 
 import ast
 import os
@@ -16,8 +16,8 @@ from tests.fixtures import ROOT
 PACKAGE = os.path.join(ROOT, "jaxtrain")
 # A module's layer is its first name under jaxtrain; modules in one layer may import each other.
 LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels"}, {"model"}, {"parallel"},
-          {"optim"}, {"train", "plan"}, {"posttrain"}, {"plotting"}]  # plan: the planner, built on train's builders
-SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by train and later layers
+          {"optim"}, {"core"}, {"posttrain"}, {"builder"}, {"plan"}, {"train"}, {"plotting"}]
+SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by core and later layers
 INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.hf_rope", "jaxtrain.checkpoint.pretrained",
            "jaxtrain.checkpoint.convert"}
 ROOTS = {None, "__main__"}  # the package face and the CLI may import anything of jaxtrain
@@ -54,7 +54,7 @@ def allowed(module: str, src, dst) -> bool:
   if dst not in SINKS and rank(dst) == rank(src):  # modules in one layer may import each other
     return True
   if dst in SINKS:
-    return rank(src) >= rank("train")
+    return rank(src) >= rank("core")
   return src not in SINKS and rank(dst) < rank(src)
 
 
@@ -77,6 +77,39 @@ def test_imports_point_left():
       elif top == "jaxtrain" and src not in ROOTS and not allowed(module, src, layer_of(target)):
         bad.append(f"{module} imports {target}")
   assert not bad, bad
+
+
+def module_graph() -> dict[str, set[str]]:
+  """module -> the jaxtrain modules it imports (at the top or lazily): `from pkg import name` is pkg.name when
+  that is a module, else pkg. A package's __init__ re-exporting its own modules is no circle."""
+  paths = {module: path for path, module in modules()}
+  graph = {}
+  for module, path in paths.items():
+    targets = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                       for a in node.names)
+      elif isinstance(node, ast.Import):
+        targets.update(a.name for a in node.names)
+    graph[module] = {t for t in targets if t in paths and t != module
+                     and not (path.endswith("__init__.py") and t.startswith(module + "."))}
+  return graph
+
+
+def test_no_import_circle():
+  graph, circles = module_graph(), []
+  for start in sorted(graph):  # a path from start back to start, depth first
+    stack, seen = [(start, (start,))], set()
+    while stack:
+      module, path = stack.pop()
+      for target in sorted(graph[module]):
+        if target == start and start == min(path):  # each circle once, from its first module
+          circles.append(" -> ".join((*path, start)))
+        elif target not in seen:
+          seen.add(target)
+          stack.append((target, (*path, target)))
+  assert not circles, circles
 
 
 def test_every_module_has_a_layer():

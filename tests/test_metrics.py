@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxtrain import metrics
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import make_train_step
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.step import make_train_step
 from tests.fixtures import tiny_config
 
 
@@ -20,7 +21,7 @@ def test_flops_formula_matches_xla_cost_analysis():
                                                   vocab_size=512, max_seq_len=128,
                                                   scan_layers=False),  # XLA counts a loop body once
                     train=dict(batch_size=4, seq_len=128))
-  mesh, task, tx, schedule = loop.build(cfg, "", jax.devices()[:1])
+  mesh, task, tx, schedule = builder.build(cfg, "", jax.devices()[:1])
   state, _ = state_lib.create_state(task, tx, 0, mesh, "dp")
   batch = {k: jnp.zeros((4, 128), jnp.float32 if k == "loss_mask" else jnp.int32)
            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}

@@ -36,8 +36,9 @@ def test_library_names_the_readme_uses():
   """`jaxtrain.train(...)` is the loop and `jaxtrain.train.make_train_step` the step (the function used to
   shadow the subpackage: `jaxtrain.train.train_step` was an AttributeError); read_metrics and plot are exported."""
   import jaxtrain
-  from jaxtrain.train import loop, step
+  from jaxtrain.core import step
+  from jaxtrain.train import loop
   assert callable(jaxtrain.train) and jaxtrain.train.loop is loop
-  assert jaxtrain.train.make_train_step is step.make_train_step is jaxtrain.train.step.make_train_step
+  assert jaxtrain.train.make_train_step is step.make_train_step is jaxtrain.core.step.make_train_step
   assert callable(jaxtrain.read_metrics) and jaxtrain.plot is jaxtrain.plotting.plot
   assert jaxtrain.Task is jaxtrain.train.Task

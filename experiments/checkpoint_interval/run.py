@@ -133,7 +133,7 @@ class Failure(Exception):
 
 def failing_task(cfg, workdir: str, at_step: int | None):
   """The language model, crashing when the loop asks for the batch after step `at_step` (never with None)."""
-  from jaxtrain.train.lm import LanguageModel
+  from jaxtrain.core.lm import LanguageModel
   task = LanguageModel(cfg, workdir)
   make_batch = task.make_batch
 

@@ -2,7 +2,7 @@
 
   python experiments/precision/run.py [--quick] [--steps N] [--repeats R] [--root DIR] [--out DIR]
 
-1. Speed: both configs' train steps (the loop's own, `loop.compile_steps`), compiled on one CPU device,
+1. Speed: both configs' train steps (the loop's own, `builder.compile_steps`), compiled on one CPU device,
    then R rounds of one float32 step and one bfloat16 step alternating on the same batches, so that load
    from other processes falls on both alike; median step time -> tokens/s. Compiled memory of each step.
 2. Curves: each config trained from scratch with `jaxtrain.train` (same seed and batches) in --root/NAME,
@@ -29,14 +29,14 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:  # the repository's jaxtrain and tools, not an installed copy
   sys.path.insert(0, ROOT)
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import jaxtrain  # noqa: E402
 from jaxtrain import data, parallel  # noqa: E402
-from jaxtrain.train import loop, state as state_lib  # noqa: E402
+from jaxtrain import builder  # noqa: E402
+from jaxtrain.core import state as state_lib
 from tools.compare_runs import compare, format_table  # noqa: E402
 from tools.plot_metrics import plot  # noqa: E402
 
@@ -66,14 +66,14 @@ class Stepper:
   global batch i and returns the seconds until the metrics are on the host."""
 
   def __init__(self, cfg, device):
-    mesh, task, tx, schedule = loop.build(cfg, "", [device])
+    mesh, task, tx, schedule = builder.build(cfg, "", [device])
     self.state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
     self.feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
     self.source = data.make_source(cfg, "train")
-    self.contexts = lambda: (jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
+    self.contexts = lambda: (parallel.activate(mesh, cfg.mesh.rules))
     mesh_ctx, rules_ctx = self.contexts()
     with mesh_ctx, rules_ctx:
-      train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+      train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
       self.compiled = train_fn.lower(self.state, self.feed.batch(self.source, 0)).compile()
     self.tokens = task.batch_size * cfg.train.seq_len
     self.memory = self.compiled.memory_analysis()

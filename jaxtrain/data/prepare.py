@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-from typing import NamedTuple
 
 import numpy as np
 import tqdm
@@ -28,22 +27,13 @@ from jaxtrain.data import cache as cache_lib
 from jaxtrain.data import report as report_lib
 from jaxtrain.data import sources, splits
 from jaxtrain.data import workers as workers_lib
+from jaxtrain.data.shards import Rules, run_shard, shard_chunks, shard_counts
 from jaxtrain.data.sources import DataError
-from jaxtrain.data.tokenizers import load_tokenizer
 
 VERSION = 2  # bump when the cache layout or a rule changes (2: BOM-marked and compressed files decoded)
 SMALL_FILE = 1 << 20  # files up to this size are hashed into the fingerprint
 MIN_SHARD, MAX_SHARD = 1 << 20, 64 << 20  # default shards: 1/256 of the input within these bounds
 RUN_KEYS = ("cache", "weight", "cache_reused", "shards", "shards_reused")  # returned, not in report.json
-
-
-class Rules(NamedTuple):
-  """What, besides files and tokenizer, decides a cache's content (from data.*: rules_of)."""
-  fmt: str
-  text_field: str
-  add_bos: bool
-  add_eos: bool
-  bad_utf8: str
 
 
 def rules_of(data_cfg) -> Rules:
@@ -102,53 +92,6 @@ def plan_shards(pieces: list, shard_bytes: int) -> list[list]:
       shards.append(group)
       group, size = [], 0
   return shards + [group] if group else shards
-
-
-def tokenize_shard(tokenizer, pieces: list, rules: Rules) -> tuple[np.ndarray, np.ndarray, dict]:
-  """(tokens of all usable documents back to back, their lengths, counts), BOS/EOS by the rules."""
-  counts = report_lib.new_counts()
-  head = np.array([tokenizer.bos] if rules.add_bos else [], np.int32)
-  tail = np.array([tokenizer.eos] if rules.add_eos else [], np.int32)
-  parts, lengths = [], []
-  for text in sources.iter_texts(pieces, rules.text_field, rules.bad_utf8, counts):
-    ids = np.asarray(tokenizer.encode(text), np.int32)
-    parts += [head, ids, tail]
-    lengths.append(len(head) + len(ids) + len(tail))
-  tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-  if tokens.size and (tokens.min() < 0 or tokens.max() >= tokenizer.vocab_size):
-    raise ValueError(f"tokenizer produced ids outside 0..{tokenizer.vocab_size - 1}")
-  counts["tokens"] = int(tokens.size)
-  return tokens.astype(cache_lib.token_dtype(tokenizer.vocab_size)), np.array(lengths, np.int64), counts
-
-
-def _write_shard(path: str, tokens, lengths, counts) -> None:
-  """One .npz, renamed into place whole: a reader sees all of it or nothing."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "wb") as f:
-    np.savez(f, tokens=tokens, lengths=lengths, counts=np.array(json.dumps(counts)))
-  os.replace(tmp, path)
-
-
-def _shard_counts(path: str) -> dict | None:
-  """A finished shard's counts, or None when it is missing or unreadable (then it is redone)."""
-  try:
-    with np.load(path) as z:
-      return json.loads(str(z["counts"]))
-  except (OSError, ValueError, KeyError, EOFError):
-    return None
-
-
-def _shard_chunks(paths):
-  for path in paths:
-    with np.load(path) as z:
-      yield z["tokens"], z["lengths"]
-
-
-def run_shard(tokenizer, index, pieces, rules, path):
-  """Tokenizes and writes one shard; (index, counts)."""
-  tokens, lengths, counts = tokenize_shard(tokenizer, pieces, rules)
-  _write_shard(path, tokens, lengths, counts)
-  return index, counts
 
 
 def _run(tokenizer, tasks, workers):
@@ -227,7 +170,7 @@ def prepare_source(spec: str, cache_path: str, tokenizer, rules: Rules, workers:
   shards = plan_shards(sources.plan_pieces(files, rules.text_field, shard_bytes, counts), shard_bytes)
   shard_dir = _shard_dir(cache_path, fp, shard_bytes)
   paths = [os.path.join(shard_dir, f"{i:05d}.npz") for i in range(len(shards))]
-  done = {i: c for i, c in enumerate(map(_shard_counts, paths)) if c is not None}
+  done = {i: c for i, c in enumerate(map(shard_counts, paths)) if c is not None}
   tasks = [(i, shards[i], rules, paths[i]) for i in range(len(shards)) if i not in done]
   sizes = [sum(p.size for p in shard) for shard in shards]
   bar = tqdm.tqdm(total=sum(sizes), initial=sum(sizes[i] for i in done), unit="B", unit_scale=True,
@@ -244,7 +187,7 @@ def prepare_source(spec: str, cache_path: str, tokenizer, rules: Rules, workers:
     raise _no_text(spec, counts)
 
   _write_json(os.path.join(cache_path, "report.json"), report)
-  cache_lib.write_chunks(cache_path, _shard_chunks(paths), tokenizer.vocab_size, fp, source=spec,
+  cache_lib.write_chunks(cache_path, shard_chunks(paths), tokenizer.vocab_size, fp, source=spec,
                          format=rules.fmt, tokenizer=tokenizer.spec())
   shutil.rmtree(shard_dir, ignore_errors=True)
   run.update(cache_reused=False, shards=len(shards), shards_reused=len(shards) - len(tasks))

@@ -14,6 +14,7 @@ import selectors
 import subprocess
 import sys
 
+from jaxtrain.data import shards, sources
 from jaxtrain.data.sources import DataError
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,15 +90,15 @@ def _stop(proc: subprocess.Popen, idle: bool) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer(spec: str):
-  from jaxtrain.data import prepare
-  return prepare.load_tokenizer(json.loads(spec))
+  from jaxtrain.data.tokenizers import load_tokenizer
+  return load_tokenizer(json.loads(spec))
 
 
 def _do(message: dict) -> dict:
-  from jaxtrain.data import prepare, sources
   index, pieces, rules, path = message["task"]
   tokenizer = _tokenizer(json.dumps(message["tokenizer"], sort_keys=True))
-  _, counts = prepare.run_shard(tokenizer, index, [sources.Piece(*p) for p in pieces], prepare.Rules(*rules), path)
+  pieces = [sources.Piece(*p) for p in pieces]
+  _, counts = shards.run_shard(tokenizer, index, pieces, shards.Rules(*rules), path)
   return {"index": index, "counts": counts}
 
 

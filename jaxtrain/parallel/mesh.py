@@ -3,6 +3,8 @@
 Model code names logical axes (`jaxtrain.model.axes`); only this package maps them to mesh axes.
 """
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -33,3 +35,10 @@ def logical_shardings(logical_specs, mesh: Mesh, rules_name: str):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Batch arrays of any rank: the leading (batch) axis over every data-like axis."""
   return NamedSharding(mesh, P(DATA_AXES))
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules_name: str):
+  """The mesh and the logical-axis rules in context, as every step is traced and compiled."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES[rules_name]):
+    yield

@@ -1,16 +1,14 @@
 """The reference the planner is checked against: a config's train step compiled exactly as the loop compiles it
-(`loop.compile_steps`, same mesh and rules) on abstract state and batch, and XLA's own memory figures for it.
+(`builder.compile_steps`, same mesh and rules) on abstract state and batch, and XLA's own memory figures for it.
 
 Per device: argument + output + temp - alias bytes of `Compiled.memory_analysis()` (the donated state's
 outputs alias its inputs, so it counts once). Used by `train.batch_size=auto` to confirm its choice and by
 the tests; the planner itself never compiles."""
 
-import flax.linen as nn
 import jax
 
-from jaxtrain import parallel
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.abstract import abstract_step
+from jaxtrain import builder, parallel
+from jaxtrain.core import state as state_lib
 
 
 # LLVM's optimizations off: the same buffer assignment (an HLO-level decision), in about half the compile time
@@ -20,8 +18,8 @@ QUICK = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes
 def compiled_memory(cfg, devices=None, quick: bool = False) -> dict:
   """Per-device bytes of the compiled train step of `cfg`: argument, output, alias, temp and total
   (argument + output + temp - alias). `quick` compiles with QUICK (for tests; the same figures)."""
-  train_fn, state, batch, mesh = abstract_step(cfg, devices)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+  train_fn, state, batch, mesh = builder.abstract_step(cfg, devices)
+  with parallel.activate(mesh, cfg.mesh.rules):
     lowered = train_fn.lower(state, batch)
     stats = (lowered.compile(compiler_options=QUICK) if quick else lowered.compile()).memory_analysis()
   out = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
@@ -36,12 +34,12 @@ def measured_step_time(cfg, steps: int = 5, devices=None) -> float:
   shared host only ever slow a step down, and a median taken under load measured the load."""
   import time
   devices = jax.devices() if devices is None else devices
-  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  mesh, task, tx, schedule = builder.build(cfg, "", devices)
   feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
   batch = feed.put(next(task.batches("train", feed.lo, feed.hi)))
   state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
-    train_fn, _ = loop.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+  with parallel.activate(mesh, cfg.mesh.rules):
+    train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     state, out = train_fn(state, batch)
     jax.block_until_ready(out)
     times = []

@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxtrain import config as config_lib, optim
-from jaxtrain.train import loop, state as state_lib
+from jaxtrain import builder, config as config_lib, optim
+from jaxtrain.core import state as state_lib
 
 
 def _shard_bytes(shape, dtype, mesh_axes, mesh_shape: dict) -> int:
@@ -42,7 +42,7 @@ def state_bytes(cfg, mesh_shape: dict) -> dict:
 
 
 def _state_bytes(cfg, mesh_shape: dict) -> dict:
-  task = loop.make_task(cfg, "")
+  task = builder.make_task(cfg, "")
   tx, _ = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh_shape[cfg.comm.axis], cfg.train.seed)
   boxed = jax.eval_shape(state_lib.init_fn(task, tx, boxed=True), 0)
   rules = config_lib.RULES[cfg.mesh.rules]

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtrain import config as config_lib, metrics as metrics_lib, parallel
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
 from jaxtrain.posttrain import data as data_lib, rl, rollout as rollout_lib
-from jaxtrain.train.task import Task
+from jaxtrain.core.task import Task
 
 RL_FILE = "rl.jsonl"  # the generated prompts, in WORKDIR/posttrain_data
 _KEY_TAG = 0x5EED  # rollout keys: fold_in(fold_in(key(seed), _KEY_TAG), step)

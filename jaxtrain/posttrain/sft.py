@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from jaxtrain import metrics as metrics_lib
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
 from jaxtrain.posttrain import data as data_lib
-from jaxtrain.train import lm
-from jaxtrain.train.task import Task
+from jaxtrain.core import lm
+from jaxtrain.core.task import Task
 
 
 class DataTask(Task):

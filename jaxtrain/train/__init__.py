@@ -1,17 +1,17 @@
-"""Training: the train state, the pure step built around a loss, tasks (language modeling first), the loop.
+"""Training runs: the loop (the composition root), sampling from a run, its workdir, goodput, preemption.
 
-`jaxtrain.train` is also callable: `jaxtrain.train(cfg, workdir)` runs `loop.train`, while
-`jaxtrain.train.step.make_train_step` and the other modules stay reachable under the same name."""
+`jaxtrain.train` is also callable: `jaxtrain.train(cfg, workdir)` runs `loop.train`, while its modules stay
+reachable under the same name. The step, state and tasks it trains are `jaxtrain.core`'s (re-exported here)."""
 
 import sys
 import types
 
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.core.lm import LanguageModel
+from jaxtrain.core.state import TrainState, create_state
+from jaxtrain.core.step import make_train_step
+from jaxtrain.core.task import Task
 from jaxtrain.train.loop import train
 from jaxtrain.train.sampling import sample
-from jaxtrain.train.state import TrainState, create_state
-from jaxtrain.train.step import make_train_step
-from jaxtrain.train.task import Task
 from jaxtrain.train.workdir import load_config
 
 

@@ -1,7 +1,7 @@
 """What a config's training step sends over each mesh axis, counted in its compiled HLO, against the
 float32 data-parallel baseline; and a stated model of what that costs on slow links.
 
-`report(cfg)` compiles the step exactly as the loop does (`loop.compile_steps`, same mesh and rules) but
+`report(cfg)` compiles the step exactly as the loop does (`builder.compile_steps`, same mesh and rules) but
 on abstract state and batch, so nothing is allocated; `parallel.hlo_bytes` counts the bytes. "Over the
 reduced axis" (`optim.reduce_axis`, default replica) counts every collective whose groups span that axis,
 alone or with others. `python -m jaxtrain comm --config=... [--project]` prints `run(cfg, projection)`.
@@ -11,15 +11,14 @@ import copy
 import json
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import numpy as np
 
 from jaxtrain import config as config_lib, config_files, metrics as metrics_lib, parallel
+from jaxtrain.builder import abstract_step
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
 from jaxtrain.parallel import hlo_bytes
-from jaxtrain.train.abstract import abstract_step
 
 # Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in jaxtrain/metrics.py.
 H200_BF16_FLOPS = metrics_lib.PEAK_FLOPS["H200"]["bfloat16"]
@@ -36,7 +35,7 @@ def _compile(cfg, devices=None):
   devices = jax.devices() if devices is None else devices
   config_lib.validate(cfg, len(devices))
   train_fn, state, batch, mesh = abstract_step(cfg, devices)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+  with parallel.activate(mesh, cfg.mesh.rules):
     text = train_fn.lower(state, batch).compile().as_text()
   return text, mesh, sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
 

@@ -9,40 +9,21 @@ import json
 import os
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 import tqdm.auto
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, optim, parallel
+from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, parallel
+from jaxtrain.builder import build, compile_steps, init_params, per_replica_metrics, restore_state
+from jaxtrain.core import state as state_lib
 from jaxtrain.parallel import hlo_bytes
-from jaxtrain.train import goodput as goodput_lib, lock, peers, state as state_lib, task as task_lib
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.plan import auto
+from jaxtrain.train import goodput as goodput_lib, lock, peers
 from jaxtrain.train.preemption import Preemption
-from jaxtrain.train.step import make_train_step
 from jaxtrain.train.workdir import check_workdir, write_config
 
 PROGRESS_INTERVAL_S = 1.0  # the progress bar redraws at most this often (notebooks keep every redraw)
-
-
-def build(cfg, workdir: str = "", devices=None, task=None):
-  """Mesh, task (default: the one train.task names), optimizer and schedule for a validated config."""
-  mesh = parallel.make_mesh(cfg.mesh, devices)
-  task = make_task(cfg, workdir) if task is None else task
-  tx, schedule = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh.shape[cfg.comm.axis],
-                             cfg.train.seed)
-  return mesh, task, tx, schedule
-
-
-def make_task(cfg, workdir: str):
-  """The task train.task names: "lm" here, the others from task.TASKS (filled by jaxtrain.posttrain)."""
-  name = cfg.train.task
-  factories = {"lm": LanguageModel, **task_lib.TASKS}
-  if name not in factories:
-    raise config_lib.ConfigError(f"train.task={name!r} is not loaded: import jaxtrain.posttrain first (the CLI and "
-                                 "`import jaxtrain; jaxtrain.train(...)` do), or pass task=")
-  return factories[name](cfg, workdir)
 
 
 def peak_flops_total(cfg) -> tuple[float, str]:
@@ -50,29 +31,6 @@ def peak_flops_total(cfg) -> tuple[float, str]:
   peak, source = metrics_lib.peak_flops(cfg.model.compute_dtype)
   units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
   return peak * units, source
-
-
-def compile_steps(cfg, mesh, task, tx, schedule, shardings):
-  """The train and eval steps, jitted once with explicit shardings; the state is donated."""
-  batch_sh = parallel.batch_sharding(mesh)
-  axis = config_lib.manual_axis(cfg)
-  step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics, update_extra=task.update_extra,
-                         microbatches=cfg.train.microbatches, reduce_axis=axis,
-                         state_specs=manual_specs(shardings, axis), local_metrics=per_replica_metrics(cfg))
-  train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
-                     donate_argnums=0)
-  eval_fn = jax.jit(task.eval_sums, in_shardings=(shardings.params, shardings.extra, shardings.task_state,
-                                                  batch_sh))
-  return train_fn, eval_fn
-
-
-def manual_specs(shardings, axis: str):
-  """The shard_map specs of the state for a step manual over `axis`: a leaf laid on `axis` (a per-shard
-  optimizer buffer) enters as its own shard, everything else whole."""
-  def spec(sharding):
-    keep = lambda e: e if e == axis or (isinstance(e, tuple) and axis in e) else None
-    return P(*(keep(e) for e in sharding.spec))
-  return jax.tree.map(spec, shardings)
 
 
 def comm_bytes(hlo_text: str, mesh) -> dict:
@@ -83,11 +41,6 @@ def comm_bytes(hlo_text: str, mesh) -> dict:
   for (axes, _), n in hlo_bytes.by_axis(rows).items():
     out[f"comm_bytes_{axes}"] = out.get(f"comm_bytes_{axes}", 0.0) + n
   return out
-
-
-def per_replica_metrics(cfg) -> bool:
-  """DiLoCo's inner steps send nothing over comm.axis, metrics included: each replica's come back."""
-  return bool(cfg.diloco.inner_steps)
 
 
 def readable(mesh, per_replica: bool):
@@ -117,34 +70,6 @@ def evaluate(eval_fn, state, feed, task, n: int) -> dict:
   sums = [jax.device_get(eval_fn(state.params, state.extra, state.task_state, feed.put(local)))
           for _, local in zip(range(n), batches)]
   return task.eval_metrics(sums)
-
-
-def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, step=None):
-  """The newest (or `step`) checkpoint read straight into its shardings (nothing initialized first):
-  (state, shardings, data_state, restore metrics row)."""
-  shardings = state_lib.state_shardings(task, tx, mesh, rules_name)
-  state, data_state, _, row = ckpts.restore(state_lib.abstract_state(task, tx), shardings, step)
-  return state, shardings, data_state, row
-
-
-def init_params(path: str, like):
-  """The params of another run or a converted model (newest step), placed like `like` (the fresh
-  params: same tree, shapes and shardings); a mismatch is one ConfigError line."""
-  from jaxtrain.checkpoint import pretrained
-  try:
-    _, loaded = pretrained.load_params(path)
-  except (FileNotFoundError, ValueError) as e:
-    raise config_lib.ConfigError(f"checkpoint.init_from={path}: {e}") from e
-  want = jax.tree_util.tree_flatten_with_path(like)[0]
-  got = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
-  for key, leaf in want:
-    if key not in got or tuple(got[key].shape) != tuple(leaf.shape):
-      found = "missing" if key not in got else f"shape {tuple(got[key].shape)}"
-      raise config_lib.ConfigError(f"checkpoint.init_from={path}: {jax.tree_util.keystr(key)} is {found}, the "
-                                   f"model needs {tuple(leaf.shape)}")
-  return jax.tree_util.tree_map_with_path(
-      lambda key, leaf: jax.make_array_from_callback(leaf.shape, leaf.sharding,
-                                                     lambda index: np.asarray(got[key][index], leaf.dtype)), like)
 
 
 def checkpoint_meta(cfg, workdir: str) -> dict:
@@ -235,7 +160,6 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True, 
 def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
   goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
   devices = jax.devices() if devices is None else devices
-  from jaxtrain.plan import auto  # the planner builds on this module, so it is imported here, at use
   cfg, auto_row = auto.resolve(cfg, devices)  # train.batch_size/microbatches=auto: chosen, compiled, confirmed
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
@@ -286,8 +210,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     goodput.charge("init")
 
     # ---- compile once, with the logical rules and mesh in context ----
-    stack.enter_context(jax.set_mesh(mesh))
-    stack.enter_context(nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]))
+    stack.enter_context(parallel.activate(mesh, cfg.mesh.rules))
     train_fn, eval_fn = compile_steps(cfg, mesh, task, tx, schedule, shardings)
     peak, peak_source = peak_flops_total(cfg)
     bar = stack.enter_context(tqdm.auto.tqdm(total=t.steps, initial=start, disable=not show, dynamic_ncols=True,

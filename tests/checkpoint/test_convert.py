@@ -21,7 +21,8 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf, pretrained  # noqa: E402
-from jaxtrain.train import loop, state as state_lib, workdir as workdir_lib  # noqa: E402
+from jaxtrain import builder, workdir as workdir_lib  # noqa: E402
+from jaxtrain.core import state as state_lib
 from tests.fixtures import tiny_config  # noqa: E402
 from tests.checkpoint.test_hf import bpe_tokenizer_json, from_pretrained, hf_logits, hf_model  # noqa: E402
 
@@ -64,7 +65,7 @@ def test_converted_state_restores_with_standard_restore_into_shardings(converted
   root, _ = converted
   cfg = workdir_lib.load_config(str(root / "wd"))
   cfg.mesh.update(data=1, fsdp=-1)
-  mesh, task, tx, _ = loop.build(cfg)
+  mesh, task, tx, _ = builder.build(cfg)
   shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules).params
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           state_lib.abstract_state(task, tx).params, shardings)
@@ -113,7 +114,7 @@ def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("trained")
   cfg = tiny_config(mesh={"data": 2, "fsdp": -1})
   cfg.checkpoint.fast_dir = str(root / "fast")
-  mesh, task, tx, _ = loop.build(cfg)
+  mesh, task, tx, _ = builder.build(cfg)
   abstract = state_lib.abstract_state(task, tx)
   shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
   os.makedirs(root / "wd")

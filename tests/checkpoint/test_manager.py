@@ -21,7 +21,8 @@ import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.checkpoint.policy import AdaptivePolicy
 from jaxtrain.config import ConfigError
-from jaxtrain.train import loop, workdir as workdir_lib
+from jaxtrain import builder
+from jaxtrain.train import workdir as workdir_lib
 from tests.fixtures import tiny_config
 
 from tests.fixtures import ROOT
@@ -39,9 +40,9 @@ def losses(workdir) -> dict[int, list[float]]:
 def final_params(workdir):
   cfg = workdir_lib.load_config(workdir)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1, rules="fsdp")
-  mesh, task, tx, _ = loop.build(cfg, workdir)
+  mesh, task, tx, _ = builder.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return int(state.step), jax.device_get(state.params)
 
@@ -92,16 +93,16 @@ def test_an_incompatible_workdir_is_refused_unless_starting_over(tmp_path):
   # another run can start from these params (checkpoint.init_from): same values, its own shardings
   trained = final_params(workdir)[1]
   fresh_cfg = tiny_config(mesh=dict(data=1, fsdp=2))
-  mesh, task, tx, _ = loop.build(fresh_cfg, "", jax.devices()[:2])
-  from jaxtrain.train import state as state_lib
+  mesh, task, tx, _ = builder.build(fresh_cfg, "", jax.devices()[:2])
+  from jaxtrain.core import state as state_lib
   fresh, _ = state_lib.create_state(task, tx, 1, mesh, "fsdp")
-  started = loop.init_params(workdir, fresh.params)
+  started = builder.init_params(workdir, fresh.params)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(started), trained)
   jax.tree.map(lambda a, b: a.sharding == b.sharding or pytest.fail("sharding"), started, fresh.params)
   with pytest.raises(ConfigError, match=r"init_from=.*embed'\] is shape \(64, 32\), the model needs \(64, 48\)"):
     wide = tiny_config(model=dict(d_model=48))
-    mesh, task, tx, _ = loop.build(wide, "", jax.devices()[:1])
-    loop.init_params(workdir, state_lib.create_state(task, tx, 1, mesh, "fsdp")[0].params)
+    mesh, task, tx, _ = builder.build(wide, "", jax.devices()[:1])
+    builder.init_params(workdir, state_lib.create_state(task, tx, 1, mesh, "fsdp")[0].params)
   with pytest.raises(ConfigError, match=r"another config \(model.d_model: 32 -> 64\).*--start_over"):
     jaxtrain.train(tiny_config(train=dict(steps=2, eval_every=0), model=dict(d_model=64)), workdir, **one)
   # longer training, other checkpoint settings: the same run, resumed (another mesh: tests/test_elastic.py)

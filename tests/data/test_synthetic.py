@@ -4,8 +4,6 @@ import ast
 import itertools
 import math
 import pathlib
-import subprocess
-import sys
 import timeit
 import zlib
 

@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from jaxtrain import config_files
 from jaxtrain.kernels.cross_entropy import ops, reference
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.core.lm import LanguageModel
 from tests.fixtures import ROOT, tiny_config
 
 GRAD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2 ** -7}

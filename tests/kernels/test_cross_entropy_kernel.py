@@ -20,7 +20,7 @@ from flax import linen as nn
 
 from jaxtrain import config
 from jaxtrain.kernels.cross_entropy import ops
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.core.lm import LanguageModel
 from tests.fixtures import tiny_config
 
 # Interpret mode is a scan over the grid: XLA's optimizations only slow its compile, not anything tested.

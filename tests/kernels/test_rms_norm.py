@@ -12,7 +12,7 @@ import pytest
 from flax import linen as nn
 
 from jaxtrain.kernels.rms_norm import ops, reference
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.core.lm import LanguageModel
 from tests.fixtures import tiny_config
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2 ** -7}

@@ -5,7 +5,6 @@ import functools
 import json
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +15,10 @@ from jaxtrain import config as config_lib, config_files, data, parallel
 from jaxtrain.kernels.attention import reference
 from jaxtrain.model import context
 from jaxtrain.parallel import hlo_bytes
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import accumulate_gradients
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.step import accumulate_gradients
+from jaxtrain.train import loop
 from tests.fixtures import ROOT, tiny_config
 
 # f32 sums reassociated across shards (a softmax over gathered keys, gradients reduce-scattered): measured
@@ -54,7 +55,7 @@ def test_context_attention_of_a_permuted_row_equals_reference(sizes, rules):
   want = reference.attention(q, k, v, segment_BL, segment_BL, index_BL, index_BL)
   mesh = parallel.make_mesh(tiny_config(mesh=sizes).mesh)
   p = lambda x: context.permute(x, c)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
+  with parallel.activate(mesh, rules):
     assert context.shards() == c
     got = jax.jit(lambda *a: context.context_attention(*a, reference.attention))(
         p(q), p(k), p(v), p(segment_BL), p(segment_BL), p(index_BL), p(index_BL))
@@ -67,7 +68,7 @@ def setup(seq_len: int):
   cfg = tiny_config(model=dict(n_kv_heads=2, vocab_size=64, max_seq_len=seq_len))
   cfg.mesh.update(data=1)
   cfg.train.update(seq_len=seq_len, batch_size=2, z_loss=1e-4)
-  mesh, task, tx, _ = loop.build(cfg, "", jax.devices()[:1])
+  mesh, task, tx, _ = builder.build(cfg, "", jax.devices()[:1])
   state, _ = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   batch = data.make_source(cfg, "train").batch(0, 0, cfg.train.batch_size)
   batch["segment_ids"][1, -seq_len // 3:] = 0  # padding across several chunks of row 1
@@ -85,7 +86,7 @@ def loss_grads_hlo(mesh_sizes: tuple, seq_len: int):
   mesh = parallel.make_mesh(cfg.mesh, devices)
   state = jax.device_put(state, NamedSharding(mesh, P()))
   batch = parallel.Feed(len(batch["inputs"]), parallel.batch_sharding(mesh)).put(batch)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+  with parallel.activate(mesh, cfg.mesh.rules):
     compiled = jax.jit(lambda s, b: accumulate_gradients(task.loss, s, b, 1)).lower(state, batch).compile()
     grads, sums = compiled(state, batch)
   grads = jax.device_get(jax.tree.map(lambda g: g / sums["count"], grads))

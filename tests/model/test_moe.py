@@ -272,7 +272,7 @@ def ep_case(mesh_name, dispatch):
   variables = jax.device_put(variables, parallel.logical_shardings(specs, mesh, rules))
   x, valid, ct = jax.device_put((x, valid, ct), NamedSharding(mesh, P(parallel.DATA_AXES)))
   state = {"moe_state": variables["moe_state"]}
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
+  with parallel.activate(mesh, rules):
     compiled = jax.jit(loss_fn(cfg)).lower(variables["params"], x, valid, ct, state).compile()
     (_, (y, stats)), grads = jax.block_until_ready(compiled(variables["params"], x, valid, ct, state))
   return unsharded, (y, stats, grads), compiled.as_text(), variables["params"]["gate"].sharding.spec

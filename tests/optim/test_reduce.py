@@ -10,7 +10,7 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, metrics, optim
 from jaxtrain.config import ConfigError
-from jaxtrain.train import loop
+from jaxtrain import builder
 from tests.fixtures import tiny_config
 
 
@@ -20,9 +20,9 @@ def run(tmp_path, name, reduce_axis):
   workdir = str(tmp_path / name)
   jaxtrain.train(cfg, workdir, progress=False, sync_every_step=True)
   rows = [r for r in metrics.read_metrics(workdir) if "loss" in r]
-  mesh, task, tx, _ = loop.build(cfg, workdir)
+  mesh, task, tx, _ = builder.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return rows, jax.device_get(state.params), state.opt_state
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jaxtrain import data, parallel
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import accumulate_gradients
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.step import accumulate_gradients
 from tests.fixtures import Batches, tiny_config
 
 MESHES = [  # (mesh sizes, rules preset)
@@ -24,10 +25,10 @@ def loss_and_grads(mesh_sizes, rules):
   devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
   cfg.mesh.update({"data": 1, **mesh_sizes})
   cfg.train.z_loss = 1e-4
-  mesh, task, tx, _ = loop.build(cfg, "", devices)
+  mesh, task, tx, _ = builder.build(cfg, "", devices)
   state, shardings = state_lib.create_state(task, tx, 0, mesh, rules)
   batches = Batches(data.make_source(cfg, "train"), cfg.train.batch_size, parallel.batch_sharding(mesh))
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
+  with parallel.activate(mesh, rules):
     grads, sums = jax.jit(lambda s, b: accumulate_gradients(task.loss, s, b, 1))(state, batches(0))
   loss = sums["ce"] / sums["count"]
   grads = jax.tree.map(lambda g: g / sums["count"], grads)

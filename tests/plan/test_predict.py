@@ -12,7 +12,8 @@ from jaxtrain import config as config_lib, config_files, metrics
 from jaxtrain.__main__ import main
 from jaxtrain.plan import auto, estimate, predict
 from jaxtrain.plan.state_bytes import state_bytes
-from jaxtrain.train import loop, state as state_lib
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
 from tests.fixtures import tiny_config
 
 GIB = 2**30
@@ -32,7 +33,7 @@ def test_state_bytes_equal_the_loops_shards(mesh, comm):
   cfg = tiny_config(mesh=mesh, comm=comm)
   cfg.mesh.update(data=mesh.get("data", 1))
   shape = config_lib.validate(cfg, 8)
-  mesh_, task, tx, _ = loop.build(cfg, "", jax.devices())
+  mesh_, task, tx, _ = builder.build(cfg, "", jax.devices())
   abstract = state_lib.abstract_state(task, tx)
   shardings = state_lib.state_shardings(task, tx, mesh_, cfg.mesh.rules)
   got = state_bytes(cfg, shape)

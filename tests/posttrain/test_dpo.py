@@ -10,7 +10,7 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.posttrain import Dpo, preference
-from jaxtrain.train import loop
+from jaxtrain import builder
 from tests.fixtures import tiny_config
 from tests.posttrain.test_sft import run_config
 
@@ -76,9 +76,9 @@ def test_dpo_ipo_simpo_losses_on_the_models_log_probs(tmp_path):
 
 
 def restore(cfg, workdir):
-  mesh, task, tx, _ = loop.build(cfg, workdir)
+  mesh, task, tx, _ = builder.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return state
 

@@ -14,10 +14,12 @@ import pytest
 import jaxtrain
 from jaxtrain import config as config_lib, config_files, metrics, parallel
 from jaxtrain.data.tokenizers import Bytes
-from jaxtrain.posttrain import TASKS, Grpo
+from jaxtrain.builder import TASKS
+from jaxtrain.posttrain import Grpo
 from jaxtrain.posttrain.grpo import PromptBatches, Prompts
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.task import Task
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.task import Task
 
 from tests.fixtures import ROOT, tiny_config
 from tests.posttrain.test_dpo import restore
@@ -100,7 +102,7 @@ def test_make_batch_default_leaves_the_fed_batch():
 def batch_maker(cfg, workdir, task, tweak=None):
   """`make(step) -> (batch, the policy's log-probs of its response tokens)` (host numpy), as the loop builds
   a step's batch from the fresh state (`tweak(state) -> state` changes it first); `make.state`."""
-  mesh, task, tx, _ = loop.build(cfg, workdir, task=task)
+  mesh, task, tx, _ = builder.build(cfg, workdir, task=task)
   state, _ = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
   state = state if tweak is None else tweak(state)
   feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
@@ -108,7 +110,7 @@ def batch_maker(cfg, workdir, task, tweak=None):
   logps = jax.jit(lambda p, b: task.token_logps(task.response_logits(task.decoder(p), b), b))
 
   def make(step):
-    with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[cfg.mesh.rules]):
+    with parallel.activate(mesh, cfg.mesh.rules):
       batch = task.make_batch(state.params, state.extra, state.task_state,
                               feed.put(next(task.batches("train", feed.lo, feed.hi))), step)
       logp = logps(state.params, batch)

@@ -11,7 +11,7 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, config_files, metrics
 from jaxtrain.posttrain import Sft, data
-from jaxtrain.train import loop
+from jaxtrain import builder
 from tests.fixtures import ROOT, tiny_config
 
 
@@ -52,9 +52,9 @@ def test_prompt_targets_change_nothing_completion_targets_do(tmp_path):
 
 
 def final_params(cfg, workdir):
-  mesh, task, tx, _ = loop.build(cfg, workdir)
+  mesh, task, tx, _ = builder.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
@@ -102,10 +102,10 @@ def test_sft_tiny_config_trains(tmp_path):
 def test_train_task_picks_the_task_and_bad_values_are_one_line(tmp_path):
   from jaxtrain.config import ConfigError, validate
   from jaxtrain.posttrain import Dpo, RewardModel
-  from jaxtrain.train.lm import LanguageModel
+  from jaxtrain.core.lm import LanguageModel
   kinds = {"lm": LanguageModel, "sft": Sft, "rm": RewardModel, "dpo": Dpo}
   for name, kind in kinds.items():
-    assert type(loop.make_task(tiny_config(train=dict(task=name)), str(tmp_path))) is kind
+    assert type(builder.make_task(tiny_config(train=dict(task=name)), str(tmp_path))) is kind
   for key, value, match in (("train.task", "sftt", "train.task: unknown value"),
                             ("posttrain.loss", "kto", "posttrain.loss: unknown value"),
                             ("posttrain.beta", 0.0, "posttrain.beta must be in"),

@@ -13,14 +13,16 @@ from jaxtrain import config as config_lib, config_files
 from jaxtrain.config import ConfigError
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
-from jaxtrain.train import comm, loop, state as state_lib
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.train import comm
 from tests.fixtures import ROOT, tiny_config
 
 
 @pytest.mark.slow  # ~20 s on 2 cores: the default suite stays under 10 minutes
 def test_f32_reduction_over_replica_is_ring_all_reduce_of_every_parameter():
   cfg = tiny_config(mesh=dict(replica=4, data=2), optim=dict(reduce_axis="replica"), train=dict(batch_size=16))
-  _, task, tx, _ = loop.build(cfg, "")
+  _, task, tx, _ = builder.build(cfg, "")
   n = sum(x.size for x in jax.tree.leaves(state_lib.abstract_state(task, tx).params))
   rep = comm.report(cfg)
   want = 2 * (4 - 1) / 4 * 4 * n
@@ -88,7 +90,7 @@ def test_cli_bad_key_is_one_line_exit_2():
 def test_pallas_quantize_kernel_is_refused_on_cpu_in_one_line():
   cfg = tiny_config(mesh=dict(replica=4, data=2), comm=dict(format="int8", kernel="pallas"), train=dict(batch_size=16))
   with pytest.raises(ConfigError, match=r"comm.kernel=pallas runs on GPU and TPU only.*comm.kernel=xla on CPU"):
-    loop.build(cfg, "")
+    builder.build(cfg, "")
   cfg.comm.kernel = "triton"
   with pytest.raises(ConfigError, match="comm.kernel"):
     config_lib.validate(cfg, 8)

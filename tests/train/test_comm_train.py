@@ -12,14 +12,14 @@ import pytest
 import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.config import ConfigError
-from jaxtrain.train import loop
+from jaxtrain import builder
 from tests.fixtures import tiny_config
 
 
 def restored(cfg, workdir):
-  mesh, task, tx, _ = loop.build(cfg, workdir)
+  mesh, task, tx, _ = builder.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return jax.device_get(state)
 

@@ -7,7 +7,7 @@ import pytest
 
 import jaxtrain
 from jaxtrain import errors, metrics
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.core.lm import LanguageModel
 from tests.fixtures import tiny_config
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import jaxtrain
 from jaxtrain import metrics
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain.core.lm import LanguageModel
 from tests.fixtures import tiny_config
 from tests.tools.workdirs import A_ROWS, B_ROWS, write_run
 

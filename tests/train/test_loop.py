@@ -11,6 +11,7 @@ import jaxtrain
 from jaxtrain import checkpoint, metrics
 from jaxtrain.config import ConfigError
 from jaxtrain.config_files import load_config_file
+from jaxtrain import builder
 from jaxtrain.train import loop, workdir as workdir_lib
 from tests.fixtures import ROOT, tiny_config
 KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s", "entropy_floor"}
@@ -18,9 +19,9 @@ KEYS = {"step", "loss", "tokens_per_sec", "mfu", "grad_norm", "lr", "step_time_s
 
 def final_params(workdir):
   cfg = workdir_lib.load_config(workdir)
-  mesh, task, tx, _ = loop.build(cfg, workdir)
+  mesh, task, tx, _ = builder.build(cfg, workdir)
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   return jax.device_get(state.params)
 

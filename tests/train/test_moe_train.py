@@ -15,9 +15,10 @@ from jaxtrain import data, metrics, parallel
 from jaxtrain.config_files import load_config_file
 from jaxtrain.model import ModelConfig
 from jaxtrain.model.moe import MoeMlp
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.lm import update_expert_bias
-from jaxtrain.train.step import accumulate_gradients
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.lm import update_expert_bias
+from jaxtrain.core.step import accumulate_gradients
 from tests.fixtures import ROOT, Batches, tiny_config
 
 MOE = dict(n_kv_heads=4, n_experts=8, top_k=2, d_ff_expert=16, n_shared_experts=1, moe_every=1)
@@ -28,10 +29,10 @@ def loss_and_grads(mesh_sizes, rules, **model):
   devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
   cfg.mesh.update({"data": 1, **mesh_sizes})
   cfg.train.z_loss = 1e-4
-  mesh, task, tx, _ = loop.build(cfg, "", devices)
+  mesh, task, tx, _ = builder.build(cfg, "", devices)
   state, _ = state_lib.create_state(task, tx, 0, mesh, rules)
   batches = Batches(data.make_source(cfg, "train"), cfg.train.batch_size, parallel.batch_sharding(mesh))
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.RULES[rules]):
+  with parallel.activate(mesh, rules):
     grads, sums = jax.jit(lambda s, b: accumulate_gradients(task.loss, s, b, 1))(state, batches(0))
   grads = jax.tree.map(lambda g: g / sums["count"], grads)
   return (float(sums["ce"] / sums["count"]), jax.device_get(grads), jax.device_get(sums["moe"]),

@@ -8,8 +8,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import parallel
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.lm import LanguageModel
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.lm import LanguageModel
 from tests.fixtures import tiny_config
 
 
@@ -35,7 +36,7 @@ def path_matched(task, tx, mesh, rules):
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_optimizer_shardings_from_annotations_equal_the_parameters(name):
   cfg = tiny_config(mesh=dict(data=2, fsdp=2, tensor=2, rules="fsdp_tp"), optim=dict(name=name))
-  mesh, task, tx, _ = loop.build(cfg)
+  mesh, task, tx, _ = builder.build(cfg)
   got = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules).opt_state
   want = path_matched(task, tx, mesh, cfg.mesh.rules)
   shapes = state_lib.abstract_state(task, tx).opt_state
@@ -58,7 +59,7 @@ def test_task_state_is_placed_like_the_params_it_holds():
   cfg = tiny_config(mesh=dict(data=2, fsdp=4))
   mesh = parallel.make_mesh(cfg.mesh)
   task = WithReference(cfg, "")
-  tx = loop.build(cfg)[2]
+  tx = builder.build(cfg)[2]
   state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   jax.tree.map(lambda a, b, x: a.is_equivalent_to(b, x.ndim) or pytest.fail(f"{a} != {b}"),
                shardings.task_state["reference"], shardings.params, state.params)

@@ -8,8 +8,9 @@ import optax
 import pytest
 
 from jaxtrain import data, optim
-from jaxtrain.train import loop, state as state_lib
-from jaxtrain.train.step import make_train_step
+from jaxtrain import builder
+from jaxtrain.core import state as state_lib
+from jaxtrain.core.step import make_train_step
 from tests.fixtures import tiny_config
 
 
@@ -17,7 +18,7 @@ def run_steps(cfg, n, poison=None, wrap=lambda tx: tx):
   """n steps on one device; `poison`: the step whose batch has a NaN; `wrap`: a transformation around
   the whole optimizer chain."""
   devices = jax.devices()[:1]
-  mesh, task, tx, schedule = loop.build(cfg, "", devices)
+  mesh, task, tx, schedule = builder.build(cfg, "", devices)
   tx = wrap(tx)
   state, _ = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
   source = data.make_source(cfg, "train")
@@ -76,7 +77,7 @@ def test_guard_covers_the_update_not_only_the_gradient():
 @pytest.mark.slow  # ~18 s on 2 cores: the default suite stays under 10 minutes
 def test_weight_decay_mask_excludes_norms():
   cfg = tiny_config()
-  model = loop.build(cfg, "", jax.devices()[:1])[1].model
+  model = builder.build(cfg, "", jax.devices()[:1])[1].model
   import flax.linen as nn
   params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   mask = optim.decay_mask(params)

@@ -80,10 +80,10 @@ def test_a_pairwise_task_trains_on_a_2x4_mesh_without_touching_train(tmp_path):
   assert np.mean(losses[-5:]) < 0.5 * losses[0], losses
   assert rows[-1]["eval_loss"] < 0.5 * losses[0] and rows[-1]["accuracy"] > 0.9
   # the parameters really are split over fsdp: [layers, embed -> fsdp, mlp]
-  mesh, _, tx, _ = jaxtrain.train.loop.build(cfg, str(tmp_path), task=task)
+  mesh, _, tx, _ = jaxtrain.builder.build(cfg, str(tmp_path), task=task)
   from jaxtrain import checkpoint
   ckpts = checkpoint.Checkpoints(cfg.checkpoint, str(tmp_path), read_only=True)
-  state = jaxtrain.train.loop.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  state = jaxtrain.builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
   ckpts.close()
   assert tuple(state.params["layers"]["mlp"]["up"].sharding.spec)[:2] == (None, "fsdp")
   assert int(state.step) == 30 and nn.unbox(state.params)["embed"].shape == (64, 32)

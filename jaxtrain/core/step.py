@@ -13,7 +13,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import collectives
-from jaxtrain.train.state import TrainState
+from jaxtrain.core.state import TrainState
 
 
 def split_microbatches(batch, k: int):

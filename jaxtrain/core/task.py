@@ -10,11 +10,6 @@ groups, [B] scalars); `parallel.Feed` places any of them. Subclass `Task` and ov
 
 import jax
 
-# train.task -> `(cfg, workdir) -> Task` for the tasks defined above train/ (the loop may not import them):
-# jaxtrain/posttrain fills it when imported, as `import jaxtrain; jaxtrain.train` and the CLI do. "lm" is the
-# loop's own default (train/lm.py).
-TASKS: dict = {}
-
 
 class Task:
   """The defaults of a task; `batch_size` (global rows) must be set by the subclass."""

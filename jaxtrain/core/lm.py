@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtrain import data, metrics as metrics_lib
 from jaxtrain.kernels.cross_entropy import ops as ce_ops
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, context, param_count
-from jaxtrain.train.task import Task, process_rows
+from jaxtrain.core.task import Task, process_rows
 
 NON_TRAINABLE = ("moe_state",)  # model collections kept in the state and updated outside the optimizer
 
