@@ -49,10 +49,11 @@ def make_task(cfg, workdir: str):
 def compile_steps(cfg, mesh, task, tx, schedule, shardings):
   """The train and eval steps, jitted once with explicit shardings; the state is donated."""
   batch_sh = parallel.batch_sharding(mesh)
-  axis = config_lib.manual_axis(cfg)
+  way = optim.outer(cfg)
   step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics, update_extra=task.update_extra,
-                         microbatches=cfg.train.microbatches, reduce_axis=axis,
-                         state_specs=manual_specs(shardings, axis), local_metrics=per_replica_metrics(cfg))
+                         microbatches=cfg.train.microbatches, reduce_axis=way.axis,
+                         state_specs=manual_specs(shardings, way.axis), local_metrics=way.local_metrics,
+                         loss_params=way.loss_params)
   train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
   eval_fn = jax.jit(task.eval_sums, in_shardings=(shardings.params, shardings.extra, shardings.task_state,
@@ -70,8 +71,8 @@ def manual_specs(shardings, axis: str):
 
 
 def per_replica_metrics(cfg) -> bool:
-  """DiLoCo's inner steps send nothing over comm.axis, metrics included: each replica's come back."""
-  return bool(cfg.diloco.inner_steps)
+  """Whether each replica's metrics come back (DiLoCo's inner steps send nothing over comm.axis)."""
+  return optim.outer(cfg).local_metrics
 
 
 def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, step=None):

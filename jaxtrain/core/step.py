@@ -50,7 +50,8 @@ def read_counter(opt_state, name: str):
 
 
 def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metrics_fn, update_extra=None,
-                    microbatches: int = 1, reduce_axis: str = "", state_specs=P(), local_metrics: bool = False):
+                    microbatches: int = 1, reduce_axis: str = "", state_specs=P(), local_metrics: bool = False,
+                    loss_params=None):
   """`train_step(state, batch) -> (state, metrics)`, pure; the loop jits it once.
 
   `metrics_fn(sums, parts)` and `update_extra(extra, sums, parts)` (non-trainable state moved outside
@@ -59,7 +60,8 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metr
   With `reduce_axis`, the step runs manual over that mesh axis: each shard differentiates its own rows
   and `tx` (whose first transformation reduces over the axis) sees the shards' gradients; `state_specs`
   (a prefix of the state) lays per-shard leaves of the state on the axis (their leading dimension).
-  When `tx`'s state holds `local_params` (DiLoCo: one copy per shard), the loss is taken there, and with
+  `loss_params(opt_state)` says where the loss is taken when not at the global params (DiLoCo: each
+  shard's own copy; optim.outer gives all three of axis, local_metrics, loss_params), and with
   `local_metrics` nothing is reduced over the axis: each metric comes back per shard, with a leading
   axis of one entry per shard (the loop averages them on the host)."""
   shards = lambda: collectives.axis_size(reduce_axis) if reduce_axis else 1
@@ -68,8 +70,7 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule, *, metr
     # Per-shard gradients: params marked varying over the axis, else shard_map's autodiff would sum the
     # gradient of these replicated params over it by itself (a full-width psum no transformation sees).
     axes = (reduce_axis,) if reduce_axis else ()
-    at = optax.tree_utils.tree_get(state.opt_state, "local_params", None)
-    at = collectives.vary(state.params, axes) if at is None else jax.tree.map(lambda x: x[0], at)
+    at = collectives.vary(state.params, axes) if loss_params is None else loss_params(state.opt_state)
     grads, sums = accumulate_gradients(loss_fn, state.replace(params=at), batch, microbatches)
     sums = sums if local_metrics else collectives.psum(sums, axes)
     sums["count"] = jnp.maximum(sums["count"], 1.0)

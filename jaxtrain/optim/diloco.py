@@ -12,7 +12,7 @@ was sent, merged with the replica's copy, so that the collective feeds no step b
 Layout of the state (its sharding): the inner optimizer's state and the replica's params have a leading
 axis of one entry per replica, lying on the replica mesh axis; the outer momentum and the in-flight
 averages are the same on every replica. The global params are the train state's `params` (evaluation,
-sampling and export read them); the step evaluates the loss at `local_params`, found by name.
+sampling and export read them); the step evaluates the loss at `local_params` (`loss_params`, through optim.outer).
 
 A replica that misses a sync (`drop_prob`, or `drop(sync, replica)` in a test) is left out of that
 average, whose weights are renormalized over the replicas present, and it takes the new global params.
@@ -40,6 +40,13 @@ class DilocoState(NamedTuple):
   count: jax.Array  # int32: inner steps taken
   syncs: jax.Array  # int32: fragment syncs sent
   missed_syncs: jax.Array  # int32: replica-syncs left out so far (all replicas)
+
+
+def loss_params(opt_state):
+  """Inside the step (manual over the replica axis): this replica's own params, its [1, ...] entry of
+  `local_params`, where its inner steps take the gradient."""
+  local = optax.tree_utils.tree_get(opt_state, "local_params")
+  return jax.tree.map(lambda x: x[0], local)
 
 
 def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner_steps: int,
