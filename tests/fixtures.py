@@ -33,10 +33,23 @@ class Batches:
     return self.feed.batch(self.source, index)
 
 
-def cpu_vendor() -> str:
-  """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), "unknown" where there is none."""
+def _cpuinfo(key: str) -> str:
+  """The first value of `key` in /proc/cpuinfo, "unknown" where there is none."""
   try:
     with open("/proc/cpuinfo") as f:
-      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "unknown")
+      return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == key),
+                  "unknown")
   except OSError:
     return "unknown"
+
+
+def cpu_vendor() -> str:
+  """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), "unknown" where there is none."""
+  return _cpuinfo("vendor_id")
+
+
+def cpu_kind() -> str:
+  """The vendor and the processor generation ("AuthenticAMD family 25 model 17"): XLA:CPU's code, and so
+  the last bit of a float, differs between generations of one vendor too (AMD EPYC hosts of two models
+  differed from tiny's fourth step on)."""
+  return f"{cpu_vendor()} family {_cpuinfo('cpu family')} model {_cpuinfo('model')}"

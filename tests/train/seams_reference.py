@@ -3,18 +3,25 @@ of `tiny`, `moe_tiny` on 2 data x 4 expert, and `text_tiny` on a corpus made her
 
 Recorded once from the commit before the seams refactor (`python -m tests.train.seams_reference --record`)
 into tests/golden/seams_losses.json; tests/train/test_seams_bitwise.py compares every later commit
-against it, float for float, on XLA:CPU with 8 virtual devices. One reference per CPU vendor: XLA:CPU's code
-differs between them (an Intel Xeon and an AMD EPYC host differ in the last bit from tiny's fifth step on),
-so each was recorded from that commit (6a18526) on its own kind of host."""
+against it, float for float, on XLA:CPU with 8 virtual devices. One reference per kind of CPU: XLA:CPU's
+code differs between them (an Intel Xeon and an AMD EPYC host differ in the last bit from tiny's fifth step
+on; two EPYC generations from its fourth), so each was recorded from that commit (6a18526) on its own kind
+of host. The first ones are keyed by vendor alone (GenuineIntel, AuthenticAMD); later ones by
+`fixtures.cpu_kind()` (vendor, family and model), which wins where both are recorded."""
 
 import json
 import os
 import sys
 
-from tests.fixtures import ROOT, cpu_vendor
+from tests.fixtures import ROOT, cpu_kind, cpu_vendor
 
 STEPS = 30
 FIXTURE = os.path.join(ROOT, "tests", "golden", "seams_losses.json")  # {cpu vendor: {config: losses}}
+
+
+def reference_key(recorded: dict) -> str | None:
+  """This host's reference: the one of its kind of CPU, else its vendor's, else None."""
+  return next((key for key in (cpu_kind(), cpu_vendor()) if key in recorded), None)
 
 
 def write_corpus(directory: str) -> str:
@@ -64,7 +71,7 @@ def main():
   result["jax"] = jax.__version__
   if "--record" in sys.argv:
     recorded = json.load(open(FIXTURE)) if os.path.exists(FIXTURE) else {}
-    recorded[cpu_vendor()] = result
+    recorded[cpu_kind()] = result
     with open(FIXTURE, "w") as f:
       json.dump(recorded, f, indent=1)
   print(json.dumps(result)[:400])
