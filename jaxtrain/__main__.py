@@ -20,8 +20,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _exit_statuses() -> str:
   """The statuses a run ends with, as jaxtrain/errors.py documents them."""
-  return "exit status:\n" + "\n".join(line for line in errors.__doc__.splitlines() if line[:3].strip().isdigit()
-                                       or line.startswith("     "))
+  return "exit status:\n" + "\n".join(line for line in errors.__doc__.splitlines()
+                                      if line[:3].strip().isdigit() or line.startswith("     "))
 
 
 def parse(argv):
@@ -37,22 +37,32 @@ def parse(argv):
       rest.append(arg)
   parser = _Parser(prog="python -m jaxtrain")
   sub = parser.add_subparsers(dest="command", required=True)
-  train = sub.add_parser("train", help="train a config in a workdir (resumes when it holds a checkpoint)",
-                         epilog=_exit_statuses(), formatter_class=argparse.RawDescriptionHelpFormatter)
+  train = sub.add_parser("train",
+                         help="train a config in a workdir (resumes when it holds a checkpoint)",
+                         epilog=_exit_statuses(),
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
   train.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   train.add_argument("--workdir", required=True)
-  train.add_argument("--no_sample", action="store_true", help="skip the sample printed after training")
-  train.add_argument("--start_over", action="store_true",
-                     help="delete the workdir's checkpoints and start again (needed when the config changed)")
+  train.add_argument("--no_sample", action="store_true",
+                     help="skip the sample printed after training")
+  train.add_argument(
+      "--start_over", action="store_true",
+      help="delete the workdir's checkpoints and start again (needed when the config changed)")
   train.add_argument("--distributed", action="store_true",
-                     help="multi-process: join jax.distributed first; each of the four flags below, else its "
-                          "variable JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS, "
-                          "else cluster auto-detection (Slurm, Open MPI, TPU)")
-  train.add_argument("--coordinator_address", metavar="HOST:PORT", help="with --distributed: process 0's address")
-  train.add_argument("--num_processes", type=int, metavar="N", help="with --distributed: processes in the run")
-  train.add_argument("--process_id", type=int, metavar="I", help="with --distributed: this process, 0..N-1")
-  train.add_argument("--local_device_ids", metavar="IDS", help="with --distributed: this process's devices, e.g. 0,1")
-  prepare = sub.add_parser("prepare", help="tokenize a corpus once into the cache that training reads")
+                     help="multi-process: join jax.distributed first; each of the four flags "
+                          "below, else its variable JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                          "JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS, else cluster auto-detection "
+                          "(Slurm, Open MPI, TPU)")
+  train.add_argument("--coordinator_address", metavar="HOST:PORT",
+                     help="with --distributed: process 0's address")
+  train.add_argument("--num_processes", type=int, metavar="N",
+                     help="with --distributed: processes in the run")
+  train.add_argument("--process_id", type=int, metavar="I",
+                     help="with --distributed: this process, 0..N-1")
+  train.add_argument("--local_device_ids", metavar="IDS",
+                     help="with --distributed: this process's devices, e.g. 0,1")
+  prepare = sub.add_parser("prepare",
+                           help="tokenize a corpus once into the cache that training reads")
   prepare.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   prepare.add_argument("--workdir", required=True)
   sample = sub.add_parser("sample", help="continue a prompt with a trained model")
@@ -62,47 +72,59 @@ def parse(argv):
   sample.add_argument("--temperature", type=float, default=None)
   sample.add_argument("--top_k", type=int, default=None)
   sample.add_argument("--seed", type=int, default=0)
-  convert = sub.add_parser("convert",
-                           help="HF Llama/Mixtral safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
+  convert = sub.add_parser(
+      "convert", help="HF Llama/Mixtral safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
   convert.add_argument("--from_hf", metavar="HF_DIR",
                        help="a HF Llama or Mixtral directory (config.json + *.safetensors)")
   convert.add_argument("--to", metavar="WORKDIR",
                        help="with --from_hf: the workdir to create (config.json, checkpoints/0)")
-  convert.add_argument("--from", dest="from_dir", metavar="DIR", help="a workdir or checkpoint tier directory")
+  convert.add_argument("--from", dest="from_dir", metavar="DIR",
+                       help="a workdir or checkpoint tier directory")
   convert.add_argument("--to_hf", metavar="OUT_DIR", help="with --from: the HF directory to write")
   convert.add_argument("--step", type=int, default=None, metavar="N",
                        help="with --from: the step (default: the newest)")
-  convert.add_argument("--dtype", choices=config_lib.DTYPES, default="float32", help="dtype of the written weights")
-  inspect = sub.add_parser("inspect", help="a workdir's or tier's checkpoints, one step's tree and config")
+  convert.add_argument("--dtype", choices=config_lib.DTYPES, default="float32",
+                       help="dtype of the written weights")
+  inspect = sub.add_parser("inspect",
+                           help="a workdir's or tier's checkpoints, one step's tree and config")
   inspect.add_argument("dir", help="a workdir or checkpoint tier directory")
-  inspect.add_argument("--step", type=int, default=None, metavar="N", help="the step to describe (default: the newest)")
-  comm = sub.add_parser("comm", help="bytes each device sends per optimizer step, by mesh axis and dtype, counted in "
-                                     "the compiled train step, against the float32 data-parallel baseline")
+  inspect.add_argument("--step", type=int, default=None, metavar="N",
+                       help="the step to describe (default: the newest)")
+  comm = sub.add_parser("comm", help="bytes each device sends per optimizer step, by mesh axis and "
+                                     "dtype, counted in the compiled train step, against the "
+                                     "float32 data-parallel baseline")
   comm.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
-  comm.add_argument("--project", action="store_true",
-                    help="also a projected (modelled, not measured) utilization on 1/10/100 Gbit/s links")
-  plan = sub.add_parser("plan", help="predict per-device memory and step time of a config on a mesh, before any run "
-                                     "(nothing compiled, no devices needed)")
+  comm.add_argument(
+      "--project", action="store_true",
+      help="also a projected (modelled, not measured) utilization on 1/10/100 Gbit/s links")
+  plan = sub.add_parser("plan", help="predict per-device memory and step time of a config on a "
+                                     "mesh, before any run (nothing compiled, no devices needed)")
   plan.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
-  plan.add_argument("--devices", type=int, default=None, metavar="N", help="default: this machine's device count")
-  plan.add_argument("--device_kind", choices=plan_devices.KINDS, default=None, help="default: this machine's")
-  plan.add_argument("--device_memory_gib", type=float, default=None, metavar="G",
-                    help="per-device memory (default: train.device_memory_gib if set, else the device kind's)")
+  plan.add_argument("--devices", type=int, default=None, metavar="N",
+                    help="default: this machine's device count")
+  plan.add_argument("--device_kind", choices=plan_devices.KINDS, default=None,
+                    help="default: this machine's")
+  plan.add_argument(
+      "--device_memory_gib", type=float, default=None, metavar="G",
+      help="per-device memory (default: train.device_memory_gib if set, else the device kind's)")
   return parser.parse_args(rest), overrides
 
 
-CONFIG_COMMANDS = ("train", "prepare", "comm", "plan")  # the commands that take --config and --config.* overrides
-DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-                   "process_id": "JAX_PROCESS_ID", "local_device_ids": "JAX_LOCAL_DEVICE_IDS"}
+# the commands that take --config and --config.* overrides
+CONFIG_COMMANDS = ("train", "prepare", "comm", "plan")
+DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
+                   "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID",
+                   "local_device_ids": "JAX_LOCAL_DEVICE_IDS"}
 
 
 def distributed_options(args, environ) -> dict | None:
-  """jax.distributed.initialize's arguments for `train --distributed` (None without it): each flag, else its
-  JAX_* variable; what neither gives is left to jax's cluster auto-detection."""
+  """jax.distributed.initialize's arguments for `train --distributed` (None without it): each flag,
+  else its JAX_* variable; what neither gives is left to jax's cluster auto-detection."""
   if not getattr(args, "distributed", False):
     if any(getattr(args, key, None) is not None for key in DISTRIBUTED_ENV):
-      raise config_lib.ConfigError("--coordinator_address, --num_processes, --process_id and --local_device_ids "
-                                   "need --distributed")
+      raise config_lib.ConfigError(
+          "--coordinator_address, --num_processes, --process_id and --local_device_ids "
+          "need --distributed")
     return None
   options = {}
   for key, variable in DISTRIBUTED_ENV.items():
@@ -136,23 +158,27 @@ def _distributed_value(key: str, flag, source: str, variable: str | None):
 
 
 def _join(options: dict):
-  """jax.distributed.initialize with `options`; what is missing and no cluster supplied is one line."""
+  """jax.distributed.initialize with `options`;
+  what is missing and no cluster supplied is one line."""
   import jax
   try:
     jax.distributed.initialize(**options)
   except (ValueError, TypeError) as e:  # jax's own checks, after its cluster auto-detection
-    missing = [f"--{key} (or {DISTRIBUTED_ENV[key]})" for key in ("coordinator_address", "num_processes",
-                                                                   "process_id") if key not in options]
+    missing = [f"--{key} (or {DISTRIBUTED_ENV[key]})"
+               for key in ("coordinator_address", "num_processes", "process_id")
+               if key not in options]
     if not missing:
       raise config_lib.ConfigError(f"--distributed: {e}") from e
-    raise config_lib.ConfigError(f"--distributed: {' and '.join(missing)} not given, and no cluster (Slurm, Open "
-                                 f"MPI, TPU) was detected to supply {'it' if len(missing) == 1 else 'them'}") from e
+    raise config_lib.ConfigError(
+        f"--distributed: {' and '.join(missing)} not given, and no cluster (Slurm, Open "
+        f"MPI, TPU) was detected to supply {'it' if len(missing) == 1 else 'them'}") from e
 
 
 def _convert(args) -> int:
   if bool(args.from_hf) == bool(args.from_dir) or bool(args.from_hf) != bool(args.to) \
       or bool(args.from_dir) != bool(args.to_hf):
-    raise config_lib.ConfigError("convert: give either --from_hf DIR --to WORKDIR or --from DIR --to_hf OUT_DIR")
+    raise config_lib.ConfigError(
+        "convert: give either --from_hf DIR --to WORKDIR or --from DIR --to_hf OUT_DIR")
   if args.from_hf and args.step is not None:
     raise config_lib.ConfigError("convert: --step applies to --from only")
   from jaxtrain.checkpoint import convert
@@ -164,9 +190,12 @@ def _convert(args) -> int:
 
 
 def _prepare(cfg, workdir: str) -> int:
+  import jax
   from jaxtrain import data
+  config_lib.validate(cfg, jax.device_count())
   if cfg.data.kind != "text":
-    raise config_lib.ConfigError(f"prepare: data.kind={cfg.data.kind!r} needs no preparation (only 'text')")
+    raise config_lib.ConfigError(
+        f"prepare: data.kind={cfg.data.kind!r} needs no preparation (only 'text')")
   try:
     data.prepare_corpus(cfg, workdir)
   except (FileNotFoundError, ValueError) as e:  # DataError is a ValueError
@@ -175,11 +204,14 @@ def _prepare(cfg, workdir: str) -> int:
 
 
 def _plan(cfg, args) -> int:
-  """Prints the planner's table for `cfg` (train.batch_size/microbatches=auto: the planner's choice first)."""
+  """Prints the planner's table for `cfg` (train.batch_size/microbatches=auto:
+  the planner's choice first)."""
   if args.device_kind:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning for named devices: leave accelerators alone
+    # planning for named devices: leave accelerators alone
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if args.device_memory_gib is not None and args.device_memory_gib <= 0:
-    raise config_lib.ConfigError(f"--device_memory_gib must be positive, got {args.device_memory_gib}")
+    raise config_lib.ConfigError(
+        f"--device_memory_gib must be positive, got {args.device_memory_gib}")
   import jax
   from jaxtrain.plan import auto, predict
   n = jax.device_count() if args.devices is None else args.devices
@@ -206,11 +238,14 @@ def main(argv=None) -> int:
         return _plan(cfg, args)
       distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
-      if distributed is not None:  # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line
-        _join({**distributed, "heartbeat_timeout_seconds": int(max(100, 2 * cfg.train.peer_timeout_s))})
-      config_lib.validate(cfg, jax.device_count())
+      # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line
+      if distributed is not None:
+        heartbeat = int(max(100, 2 * cfg.train.peer_timeout_s))
+        _join({**distributed, "heartbeat_timeout_seconds": heartbeat})
+      # validated once, by the library call each command makes (train, comm) or by _prepare
     elif overrides:
-      raise config_lib.ConfigError(f"--config.* overrides apply to {', '.join(CONFIG_COMMANDS)} only")
+      raise config_lib.ConfigError(
+          f"--config.* overrides apply to {', '.join(CONFIG_COMMANDS)} only")
     if args.command == "prepare":
       return _prepare(cfg, args.workdir)
     if args.command == "comm":
@@ -235,16 +270,19 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # data paths and contents, checked before compiling
       print(f"error: {e}", file=sys.stderr)
       return 2
-    except errors.RunError as e:  # diverged, checkpoints unwritable, ...: one line and its own status
+    # diverged, checkpoints unwritable, ...: one line and its own status
+    except errors.RunError as e:
       print(f"error: {e}", file=sys.stderr)
       return e.exit_status
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(final.items())))
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in sorted(final.items())))
     if final.get("preempted"):
       from jaxtrain.train.preemption import EXIT_STATUS
-      print(f"preempted ({final['preempted']}) at step {final['step']}: checkpoint saved; rerun the same "
-            "command to resume", file=sys.stderr)
+      print(f"preempted ({final['preempted']}) at step {final['step']}: checkpoint saved; "
+            "rerun the same command to resume", file=sys.stderr)
       return EXIT_STATUS
-    if not args.no_sample and cfg.train.task != "rm" and jax.process_index() == 0:  # a reward model scores text
+    # a reward model scores text
+    if not args.no_sample and cfg.train.task != "rm" and jax.process_index() == 0:
       s = cfg.sample
       text = jaxtrain.sample(args.workdir, s.prompt, s.max_new_tokens, s.temperature, s.top_k)
       print(f"sample: {s.prompt!r} -> {text!r}")
