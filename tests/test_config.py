@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,6 @@ import pytest
 from jaxtrain import config as config_lib, config_files
 from jaxtrain.__main__ import main
 from jaxtrain.model import param_count
-import jaxtrain.posttrain  # noqa: F401 (registers train.task sft, rm, dpo for builder.build)
 from jaxtrain import builder
 from jaxtrain.core import state as state_lib
 
@@ -168,3 +168,11 @@ def test_a_run_saved_before_a_key_existed_resumes_when_the_key_has_its_default()
   assert config_lib.incompatible(saved, current.to_dict()) == []
   current.model.rope_scaling = "linear"
   assert config_lib.incompatible(saved, current.to_dict()) == ["model.rope_scaling: 'none' -> 'linear'"]
+
+
+def test_no_config_section_imports_jax():
+  """Every module of the config package (one per section) stays importable without jax."""
+  paths = glob.glob(os.path.join(ROOT, "jaxtrain", "config", "*.py"))
+  assert len(paths) > 3
+  for path in paths:
+    assert not re.search(r"^\s*(import|from) jax\b", open(path).read(), re.M), path

@@ -1,0 +1,187 @@
+"""The `model` section: `ModelConfig` (every model default, written once), the choices its keys
+take, and its checks. No jax import here."""
+
+import dataclasses
+import math
+
+import ml_collections
+
+from jaxtrain.config.errors import ConfigError, check_choice, check_floats
+
+ROUTERS = ("softmax", "sigmoid")
+DISPATCH = ("dropless", "capacity")
+GROUPED_MATMUL = ("auto", "tiles", "ragged_dot")
+REMAT = ("none", "dots", "full")
+DTYPES = ("float32", "bfloat16")
+FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
+ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
+# RoPE scaling: none; linear = position interpolation (Chen et al., 2023); llama3 = Llama 3.1's
+# frequency-dependent scaling; yarn (Peng et al., 2023). The math: jaxtrain/model/layers.py; HF
+# import/export: checkpoint/hf.py.
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+FP8 = ("off", "current")  # jaxtrain/model/fp8.py MODES
+# (low, high, whether low itself is allowed) for float settings; high is inclusive unless math.inf.
+RANGES = {"model.rope_theta": (0.0, math.inf, False), "model.norm_eps": (0.0, 1.0, False),
+          "model.init_std": (0.0, math.inf, False), "model.route_scale": (0.0, math.inf, False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The `model` section: every default written once, here; the model reads this dataclass."""
+  vocab_size: int = 256
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  head_dim: int = 32
+  d_ff: int = 512
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-6
+  param_dtype: str = "float32"  # one of DTYPES
+  compute_dtype: str = "float32"
+  # one of REMAT; saves memory with scan_layers (XLA:CPU unrolled: none, with or without CSE)
+  remat: str = "none"
+  scan_layers: bool = True  # False unrolls the layer loop (same parameter tree); faster on CPU
+  init_std: float = 0.02
+  # Mixture of experts (jaxtrain/model/moe.py); n_experts = 0 is a dense model.
+  n_experts: int = 0  # routed experts per MoE layer
+  top_k: int = 2  # experts per token
+  d_ff_expert: int = 0  # hidden size of each routed (and shared) expert; 0 = d_ff
+  # experts every token goes through (DeepSeek), SwiGLU of n * d_ff_expert
+  n_shared_experts: int = 0
+  router: str = "softmax"  # one of ROUTERS: scores = softmax or sigmoid of the router logits
+  renormalize: bool = True  # top-k gate weights divided by their sum
+  route_scale: float = 1.0  # routed output multiplied by this (DeepSeek-V3: 2.5)
+  # one of DISPATCH: sorted grouped matmul, or capacity buffers that drop
+  dispatch: str = "dropless"
+  # dropless, one of GROUPED_MATMUL: auto = ragged_dot on TPU, tiles elsewhere
+  grouped_matmul: str = "auto"
+  # capacity: slots per expert = ceil(factor * tokens * top_k / n_experts)
+  capacity_factor: float = 1.25
+  moe_first_dense: int = 0  # the first n layers keep a dense MLP
+  moe_every: int = 1  # after those, every k-th layer is MoE (1 = all)
+  aux_loss_weight: float = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e * p_e)
+  router_z_weight: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(router logits)^2)
+  # auxiliary-loss-free balancing (DeepSeek-V3): per-expert bias step; 0 = off
+  bias_update_rate: float = 0.0
+  # The block's residual add + mlp_norm as one op (jaxtrain/kernels/rms_norm): one of FUSED_NORM;
+  # "off" keeps the separate add and RMSNorm module (same parameters either way).
+  fused_norm: str = "off"
+  # RoPE scaling (jaxtrain/model/layers.py FREQUENCIES): rotary frequencies stretched past the
+  # context the model was pre-trained on, computed as HF transformers' ROPE_INIT_FUNCTIONS compute
+  # them.
+  rope_scaling: str = "none"  # one of ROPE_SCALINGS
+  # linear, llama3, yarn: how many times the pre-training context is stretched
+  rope_factor: float = 1.0
+  # llama3, yarn: the pre-training context (HF original_max_position_embeddings)
+  rope_original_max_len: int = 0
+  # llama3: wavelengths above original_max_len / this are divided by the factor
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
+  # yarn: rotations over original_max_len above which a frequency is kept
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0  # yarn: rotations below which it is divided by the factor
+  # yarn: cos and sin are multiplied by this; 0 = 0.1 ln(factor) + 1
+  rope_attention_factor: float = 0.0
+  # Attention implementation (jaxtrain/model/attention.py): one of ATTENTION; auto: splash on TPU,
+  # cudnn on GPU (pallas if packed), CPU by length
+  attention: str = "auto"
+  attention_block: int = 512  # blockwise: keys/values (and queries) per block
+  # FP8 dense and expert matmuls (jaxtrain/model/fp8.py): one of FP8; "current" = e4m3 forward, e5m2
+  # gradients, per-tensor scales from each tensor's own amax. Router, embedding, head, attention
+  # core stay.
+  fp8: str = "off"
+
+  @property
+  def expert_d_ff(self) -> int:
+    return self.d_ff_expert or self.d_ff
+
+  @classmethod
+  def from_config(cls, m) -> "ModelConfig":
+    """From the `model` section of a config (a ConfigDict or a saved config's dict)."""
+    return cls(**{f.name: m[f.name] for f in dataclasses.fields(cls) if f.name in m})
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+
+
+def validate_model(cfg, shape) -> None:
+  """The model section's checks, on the mesh `shape` and rule preset it is laid out with."""
+  m, rules = cfg.model, cfg.mesh.rules
+  for key, choices in (("remat", REMAT), ("param_dtype", DTYPES), ("compute_dtype", DTYPES),
+                       ("router", ROUTERS), ("dispatch", DISPATCH),
+                       ("grouped_matmul", GROUPED_MATMUL), ("fused_norm", FUSED_NORM),
+                       ("attention", ATTENTION), ("fp8", FP8)):
+    check_choice(f"model.{key}", m[key], choices)
+  for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+              "max_seq_len", "attention_block"):
+    if m[key] <= 0:
+      raise ConfigError(f"model.{key} must be positive, got {m[key]}")
+  if m.n_heads % m.n_kv_heads:
+    raise ConfigError(
+        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+  tp = shape["tensor"]
+  for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    if m[key] % tp:
+      raise ConfigError(f"model.{key}={m[key]} is not divisible by the tensor axis ({tp})")
+  if rules != "dp" and m.d_model % shape["fsdp"]:
+    raise ConfigError(
+        f"model.d_model={m.d_model} is not divisible by the fsdp axis ({shape['fsdp']})")
+  if m.n_experts:
+    _validate_moe(m, shape, rules)
+  validate_rope(m)
+  check_floats("model", m, RANGES)
+
+
+def _validate_moe(m, shape, rules):
+  if m.n_experts < 0 or not 1 <= m.top_k <= m.n_experts:
+    raise ConfigError(f"model.top_k={m.top_k} must be in [1, model.n_experts={m.n_experts}]")
+  if not 0 <= m.moe_first_dense < m.n_layers:
+    raise ConfigError(f"model.moe_first_dense={m.moe_first_dense} must be in [0, model.n_layers="
+                      f"{m.n_layers})")
+  if m.moe_every < 1 or (m.n_layers - m.moe_first_dense) % m.moe_every:
+    raise ConfigError(f"model.moe_every={m.moe_every} does not divide the "
+                      f"{m.n_layers - m.moe_first_dense} layers after model.moe_first_dense")
+  if (m.capacity_factor <= 0 or m.bias_update_rate < 0 or m.aux_loss_weight < 0
+      or m.router_z_weight < 0):
+    raise ConfigError(
+        "model.capacity_factor must be positive; bias_update_rate, aux_loss_weight and "
+        "router_z_weight must be >= 0")
+  if m.d_ff_expert < 0 or m.n_shared_experts < 0:
+    raise ConfigError("model.d_ff_expert and model.n_shared_experts must be >= 0")
+  if rules.endswith("_ep") and m.n_experts % shape["expert"]:
+    raise ConfigError(f"model.n_experts={m.n_experts} is not divisible by the expert axis "
+                      f"({shape['expert']})")
+  if "tp" in rules and (m.d_ff_expert or m.d_ff) % shape["tensor"]:
+    raise ConfigError(
+        f"the expert hidden size is not divisible by the tensor axis ({shape['tensor']})")
+
+
+def validate_rope(m) -> None:
+  """ConfigError (one line) unless the model section's (or a ModelConfig's) rope scaling can be
+  computed."""
+  check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+  if m.rope_scaling == "none":
+    return
+  if not m.rope_factor > 0:
+    raise ConfigError(
+        f"model.rope_factor must be positive with rope_scaling={m.rope_scaling!r}, got "
+        f"{m.rope_factor}")
+  if m.rope_scaling in ("llama3", "yarn") and m.rope_original_max_len <= 0:
+    raise ConfigError(
+        f"model.rope_scaling={m.rope_scaling!r} needs model.rope_original_max_len (the "
+        f"pre-training context) > 0, got {m.rope_original_max_len}")
+  if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    raise ConfigError(
+        f"model.rope_low_freq_factor={m.rope_low_freq_factor} and rope_high_freq_factor="
+        f"{m.rope_high_freq_factor} must satisfy 0 < low < high")
+  if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+    raise ConfigError(
+        f"model.rope_beta_slow={m.rope_beta_slow} and rope_beta_fast={m.rope_beta_fast} "
+        "must satisfy 0 < slow < fast")
+  if m.rope_attention_factor < 0:
+    raise ConfigError(f"model.rope_attention_factor must be >= 0 (0 = derived), got "
+                      f"{m.rope_attention_factor}")

@@ -1,0 +1,71 @@
+"""The `train` section: what a run trains and how long, its defaults and checks. No jax import
+here."""
+
+import math
+
+import ml_collections
+
+from jaxtrain.config.errors import ConfigError, check_choice, check_floats
+
+# jaxtrain/kernels/cross_entropy/ops.py IMPLEMENTATIONS
+CROSS_ENTROPY = ("full", "chunked", "pallas")
+# train.batch_size and train.microbatches may be "auto": the planner picks the largest batch (the
+# fewest microbatches) that fits train.device_memory_gib, confirmed by a compile
+# (jaxtrain/plan/auto.py)
+AUTO = "auto"
+AUTO_KEYS = ("train.batch_size", "train.microbatches")
+RANGES = {"train.z_loss": (0.0, math.inf, True), "train.device_memory_gib": (0.0, math.inf, True)}
+
+
+def train_defaults() -> ml_collections.ConfigDict:
+  t = ml_collections.ConfigDict()
+  t.steps = 600
+  t.batch_size = 32
+  t.seq_len = 128
+  t.seed = 0
+  t.microbatches = 1
+  # batch_size/microbatches=auto: the per-device limit; 0 = the device's own (CPU: set it)
+  t.device_memory_gib = 0.0
+  t.log_every = 20
+  t.eval_every = 200
+  t.eval_batches = 4
+  t.z_loss = 0.0
+  # The output projection + loss (jaxtrain/kernels/cross_entropy): "full" materializes the [B, L, V]
+  # float32 logits; "chunked" fuses them into the loss tile by tile (O(chunk) memory, same values up
+  # to reassociation); "pallas" does so in Pallas kernels (tiles of the op's block_n x block_v,
+  # interpreted on CPU).
+  t.cross_entropy = "full"  # one of CROSS_ENTROPY
+  t.ce_token_chunk = 1024  # chunked: tokens per tile
+  t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile
+  # multi-process: a peer silent this long is lost; the others exit status 6
+  t.peer_timeout_s = 60.0
+  # price of one GPU-hour (one host-hour on CPU): cost per million tokens; 0 = not shown
+  t.gpu_hour_price = 0.0
+  # one of jaxtrain/builder.py TASKS: lm (pre-training), sft, rm (reward model), dpo, grpo, ppo
+  # (jaxtrain/posttrain)
+  t.task = "lm"
+  return t
+
+
+def validate_train(cfg, shape) -> None:
+  """The train section's checks, on the mesh `shape` its batch is split over."""
+  t, m = cfg.train, cfg.model
+  check_choice("train.cross_entropy", t.cross_entropy, CROSS_ENTROPY)
+  for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s",
+              "ce_token_chunk", "ce_vocab_chunk"):
+    auto = f"train.{key}" in AUTO_KEYS
+    if t[key] == AUTO and auto:
+      continue
+    if isinstance(t[key], str) or t[key] <= 0:
+      raise ConfigError(f"train.{key} must be positive{' or auto' if auto else ''}, got {t[key]!r}")
+  if t.gpu_hour_price < 0:
+    raise ConfigError(f"train.gpu_hour_price must be >= 0 (0 = no cost estimate), got "
+                      f"{t.gpu_hour_price}")
+  if t.seq_len > m.max_seq_len:
+    raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}")
+  data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
+  if AUTO not in (t.batch_size, t.microbatches) and t.batch_size % (data_ways * t.microbatches):
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) "
+        f"over the {data_ways} data-parallel devices (replica*data*fsdp*expert)")
+  check_floats("train", t, RANGES)
