@@ -2,14 +2,16 @@
 
 Library API (everything the CLI does):
   cfg = jaxtrain.get_config("configs/tiny.py")       # or configs.tiny.get_config(None)
-  final = jaxtrain.train(cfg, "runs/tiny")            # -> last logged metrics (train.task: lm, sft, rm, dpo, grpo, ppo)
+  # -> last logged metrics (train.task: lm, sft, rm, dpo, grpo, ppo)
+  final = jaxtrain.train(cfg, "runs/tiny")
   text = jaxtrain.sample("runs/tiny", "< 5 6 7 |", max_new_tokens=8, temperature=0, top_k=0)
   cfg, params, apply = jaxtrain.load_pretrained("hf_or_run_dir")   # logits = apply(params, tokens)
-  table = jaxtrain.read_metrics("runs/tiny")          # metrics.jsonl: a pandas DataFrame (list of dicts without pandas)
+  # metrics.jsonl: a pandas DataFrame (list of dicts without pandas)
+  table = jaxtrain.read_metrics("runs/tiny")
   fig = jaxtrain.plot("runs/tiny", keys=("loss", "eval_loss"))   # matplotlib, entropy floor dashed
 
-Importing jaxtrain does not import jax: the names below that need it are loaded on first use, so that
-JAX_PLATFORMS and XLA_FLAGS set after `import jaxtrain` still take effect.
+Importing jaxtrain does not import jax: the names below that need it are loaded on first use, so
+that JAX_PLATFORMS and XLA_FLAGS set after `import jaxtrain` still take effect.
 """
 
 import importlib
@@ -32,8 +34,9 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
 
 
 def read_metrics(workdir: str, as_frame: bool | None = None):
-  """DIR/metrics.jsonl as a table: a pandas DataFrame (a row per line, a column per key) when pandas is
-  installed, else a list of dicts; `as_frame=False` always gives the list (jaxtrain.metrics.read_metrics)."""
+  """DIR/metrics.jsonl as a table: a pandas DataFrame (a row per line, a column per key) when pandas
+  is installed, else a list of dicts; `as_frame=False` always gives the list
+  (jaxtrain.metrics.read_metrics)."""
   from jaxtrain import metrics
   return metrics.read_metrics(workdir, as_frame=as_frame)
 
@@ -46,4 +49,6 @@ def __getattr__(name: str):
   return value if attribute is None else getattr(value, attribute)
 
 
-__all__ = ["ConfigError", "ModelConfig", "default_config", "get_config", "read_metrics", "validate", *_LAZY]
+__all__ = [
+    "ConfigError", "ModelConfig", "default_config", "get_config", "read_metrics", "validate", *_LAZY
+]

@@ -1,7 +1,9 @@
-"""Building a run: a validated config -> mesh, task, optimizer and schedule -> state shardings -> jitted steps.
+"""Building a run: a validated config -> mesh, task, optimizer and schedule -> state shardings ->
+jitted steps.
 
-The loop (train/loop.py), the planner (plan/), `comm`, the benchmarks and the experiments all build here, so the
-step they measure is the step the loop trains. Nothing here runs a step or writes a file.
+The loop (train/loop.py), the planner (plan/), `comm`, the benchmarks and the experiments all build
+here, so the step they measure is the step the loop trains. Nothing here runs a step or writes a
+file.
 """
 
 from typing import NamedTuple
@@ -17,7 +19,8 @@ from jaxtrain.core.lm import LanguageModel
 from jaxtrain.core.step import make_train_step
 from jaxtrain.posttrain import Dpo, Grpo, Ppo, RewardModel, Sft
 
-# train.task -> the task it trains: the one list of tasks. A task written elsewhere is passed as task=.
+# train.task -> the task it trains: the one list of tasks. A task written elsewhere is passed as
+# task=.
 TASKS = {"lm": LanguageModel, "sft": Sft, "rm": RewardModel, "dpo": Dpo, "grpo": Grpo, "ppo": Ppo}
 
 
@@ -30,11 +33,12 @@ class Run(NamedTuple):
 
 
 def build(cfg, workdir: str = "", devices=None, task=None) -> Run:
-  """Mesh, task (default: the one train.task names), optimizer and schedule of a validated config."""
+  """Mesh, task (default: the one train.task names), optimizer and schedule of a validated
+  config."""
   mesh = parallel.make_mesh(cfg.mesh, devices)
   task = make_task(cfg, workdir) if task is None else task
-  tx, schedule = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh.shape[cfg.comm.axis],
-                             cfg.train.seed)
+  tx, schedule = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco,
+                             mesh.shape[cfg.comm.axis], cfg.train.seed)
   return Run(mesh, task, tx, schedule)
 
 
@@ -42,7 +46,8 @@ def make_task(cfg, workdir: str):
   """The task train.task names (TASKS)."""
   name = cfg.train.task
   if name not in TASKS:
-    raise config_lib.ConfigError(f"train.task={name!r}: choose one of {', '.join(TASKS)} (or pass task=)")
+    raise config_lib.ConfigError(
+        f"train.task={name!r}: choose one of {', '.join(TASKS)} (or pass task=)")
   return TASKS[name](cfg, workdir)
 
 
@@ -50,20 +55,21 @@ def compile_steps(cfg, mesh, task, tx, schedule, shardings):
   """The train and eval steps, jitted once with explicit shardings; the state is donated."""
   batch_sh = parallel.batch_sharding(mesh)
   way = optim.outer(cfg)
-  step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics, update_extra=task.update_extra,
-                         microbatches=cfg.train.microbatches, reduce_axis=way.axis,
-                         state_specs=manual_specs(shardings, way.axis), local_metrics=way.local_metrics,
-                         loss_params=way.loss_params)
+  step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics,
+                         update_extra=task.update_extra, microbatches=cfg.train.microbatches,
+                         reduce_axis=way.axis, state_specs=manual_specs(shardings, way.axis),
+                         local_metrics=way.local_metrics, loss_params=way.loss_params)
   train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
-  eval_fn = jax.jit(task.eval_sums, in_shardings=(shardings.params, shardings.extra, shardings.task_state,
-                                                  batch_sh))
+  eval_fn = jax.jit(
+      task.eval_sums,
+      in_shardings=(shardings.params, shardings.extra, shardings.task_state, batch_sh))
   return train_fn, eval_fn
 
 
 def manual_specs(shardings, axis: str):
-  """The shard_map specs of the state for a step manual over `axis`: a leaf laid on `axis` (a per-shard
-  optimizer buffer) enters as its own shard, everything else whole."""
+  """The shard_map specs of the state for a step manual over `axis`: a leaf laid on `axis` (a
+  per-shard optimizer buffer) enters as its own shard, everything else whole."""
   def spec(sharding):
     keep = lambda e: e if e == axis or (isinstance(e, tuple) and axis in e) else None
     return P(*(keep(e) for e in sharding.spec))
@@ -96,16 +102,17 @@ def init_params(path: str, like):
   for key, leaf in want:
     if key not in got or tuple(got[key].shape) != tuple(leaf.shape):
       found = "missing" if key not in got else f"shape {tuple(got[key].shape)}"
-      raise config_lib.ConfigError(f"checkpoint.init_from={path}: {jax.tree_util.keystr(key)} is {found}, "
-                                   f"the model needs {tuple(leaf.shape)}")
+      raise config_lib.ConfigError(
+          f"checkpoint.init_from={path}: {jax.tree_util.keystr(key)} is {found}, "
+          f"the model needs {tuple(leaf.shape)}")
   return jax.tree_util.tree_map_with_path(
       lambda key, leaf: jax.make_array_from_callback(
           leaf.shape, leaf.sharding, lambda index: np.asarray(got[key][index], leaf.dtype)), like)
 
 
 def abstract_step(cfg, devices=None):
-  """(jitted train step, abstract state, abstract batch, mesh) of a validated `cfg`, allocating nothing:
-  what `comm` counts bytes in and what the planner is checked against. Lower it inside
+  """(jitted train step, abstract state, abstract batch, mesh) of a validated `cfg`, allocating
+  nothing: what `comm` counts bytes in and what the planner is checked against. Lower it inside
   `parallel.activate(mesh, cfg.mesh.rules)`."""
   devices = jax.devices() if devices is None else devices
   mesh, task, tx, schedule = build(cfg, "", devices)
@@ -115,8 +122,11 @@ def abstract_step(cfg, devices=None):
     host = next(task.batches("train", feed.lo, feed.hi))  # the shapes and dtypes of one batch
   except (FileNotFoundError, ValueError) as e:  # a text corpus not prepared
     raise config_lib.ConfigError(str(e)) from e
-  batch = {k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]), np.asarray(v).dtype, sharding=batch_sh)
-           for k, v in host.items()}
+  batch = {
+      k: jax.ShapeDtypeStruct((task.batch_size, *np.shape(v)[1:]),
+                              np.asarray(v).dtype, sharding=batch_sh)
+      for k, v in host.items()
+  }
   shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        state_lib.abstract_state(task, tx), shardings)

@@ -1,5 +1,6 @@
-"""Config files and command-line overrides: `configs/NAME.py[:ARG]` -> ConfigDict, and `--config.a.b=V`
-applied typed as the default. No jax import here (the CLI parses flags before jax loads)."""
+"""Config files and command-line overrides: `configs/NAME.py[:ARG]` -> ConfigDict, and
+`--config.a.b=V` applied typed as the default. No jax import here (the CLI parses flags before jax
+loads)."""
 
 import importlib.resources
 import importlib.util
@@ -11,8 +12,9 @@ from jaxtrain.config import AUTO, AUTO_KEYS, ConfigError
 
 
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
-  """`path/to/NAME.py[:ARG]` -> the file's get_config(ARG) (ARG is None when absent). A path that does not
-  exist but names a config shipped with jaxtrain (`configs/tiny.py`, `tiny.py` or `tiny`) loads that one."""
+  """`path/to/NAME.py[:ARG]` -> the file's get_config(ARG) (ARG is None when absent). A path that
+  does not exist but names a config shipped with jaxtrain (`configs/tiny.py`, `tiny.py` or `tiny`)
+  loads that one."""
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     path = _shipped_config(path)
@@ -51,7 +53,8 @@ def _parse_value(key: str, text: str, current):
   return text
 
 
-def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
+def apply_overrides(cfg: ml_collections.ConfigDict,
+                    overrides: dict[str, str]) -> ml_collections.ConfigDict:
   """Sets dotted keys from strings, typed as their defaults; unknown keys are refused."""
   for key, text in overrides.items():
     *parents, leaf = key.split(".")

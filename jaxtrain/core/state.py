@@ -21,9 +21,12 @@ class TrainState(flax.struct.PyTreeNode):
   params: dict
   opt_state: optax.OptState
   rng: jax.Array  # raw key data (uint32), so that checkpoints hold plain arrays
-  extra: dict = flax.struct.field(default_factory=dict)  # non-trainable model collections (moe_state)
-  replica_state: dict = flax.struct.field(default_factory=dict)  # per replica, outside the optimizer (empty today)
-  task_state: dict = flax.struct.field(default_factory=dict)  # the task's own (a frozen reference model, ...)
+  # non-trainable model collections (moe_state)
+  extra: dict = flax.struct.field(default_factory=dict)
+  # per replica, outside the optimizer (empty today)
+  replica_state: dict = flax.struct.field(default_factory=dict)
+  # the task's own (a frozen reference model, ...)
+  task_state: dict = flax.struct.field(default_factory=dict)
 
 
 def init_fn(task, tx: optax.GradientTransformation, boxed: bool = False):
@@ -32,8 +35,8 @@ def init_fn(task, tx: optax.GradientTransformation, boxed: bool = False):
     init_rng, state_rng = jax.random.split(jax.random.key(seed))
     params, extra, task_state = task.init(init_rng)
     opt_state = tx.init(params if boxed else nn.unbox(params))
-    state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, jax.random.key_data(state_rng), extra,
-                       {}, task_state)
+    state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, jax.random.key_data(state_rng),
+                       extra, {}, task_state)
     return state if boxed else nn.unbox(state)
   return init
 
@@ -51,7 +54,8 @@ def state_shardings(task, tx, mesh, rules_name: str) -> TrainState:
 
 def _logical_specs(tree):
   """nn.get_partition_spec, except that a box around no array (optax.masked puts an empty MaskedNode
-  where a transformation does not apply) stays empty rather than becoming a spec with nothing to place."""
+  where a transformation does not apply) stays empty rather than becoming a spec with nothing to
+  place."""
   def spec(x):
     if isinstance(x, nn.Partitioned):
       return x.get_partition_spec() if jax.tree.leaves(x.value) else x.value

@@ -1,11 +1,11 @@
-"""What the loop trains: a *task* says where its batches come from, what its parameters and state are,
-its summed loss and metrics, and how it is evaluated. Language-model pre-training (train/lm.py) is the
-first task; post-training objectives (preference pairs, groups of samples, a frozen reference model, a
-value head) are others, written without touching train/.
+"""What the loop trains: a *task* says where its batches come from, what its parameters and state
+are, its summed loss and metrics, and how it is evaluated. Language-model pre-training (core/lm.py)
+is the first task; post-training objectives (preference pairs, groups of samples, a frozen reference
+model, a value head) are others, written without touching train/.
 
-A batch is a dict of arrays whose leading axis is the batch ([B, L] tokens, [B, 2, L] pairs, [B, G, L]
-groups, [B] scalars); `parallel.Feed` places any of them. Subclass `Task` and override `init`, `loss` and
-`batches`; every other method has a default.
+A batch is a dict of arrays whose leading axis is the batch ([B, L] tokens, [B, 2, L] pairs, [B, G,
+L] groups, [B] scalars); `parallel.Feed` places any of them. Subclass `Task` and override `init`,
+`loss` and `batches`; every other method has a default.
 """
 
 import jax
@@ -18,33 +18,36 @@ class Task:
   flops_per_token: float = 0.0
 
   def init(self, rng) -> tuple[dict, dict, dict]:
-    """(params, extra, task_state) with logical-axis boxes (nn.with_logical_partitioning): the trained
-    parameters, non-trainable model collections updated outside the optimizer, and the task's own state
-    (a frozen reference model, ...). The state's shardings follow from these boxes."""
+    """(params, extra, task_state) with logical-axis boxes (nn.with_logical_partitioning): the
+    trained parameters, non-trainable model collections updated outside the optimizer, and the
+    task's own state (a frozen reference model, ...). The state's shardings follow from these
+    boxes."""
     raise NotImplementedError
 
   def loss(self, params, batch: dict, extra: dict, task_state: dict):
-    """(objective, sums): the objective summed over the batch's units, and a dict of sums with "count",
-    the number of units (see train/step.py)."""
+    """(objective, sums): the objective summed over the batch's units, and a dict of sums with
+    "count", the number of units (see core/step.py)."""
     raise NotImplementedError
 
   def batches(self, split: str, lo: int, hi: int):
-    """An iterator over rows lo:hi of consecutive global batches of `split` ("train" or "eval"), with
-    get_state() -> dict and set_state(dict) for exact resume."""
+    """An iterator over rows lo:hi of consecutive global batches of `split` ("train" or "eval"),
+    with get_state() -> dict and set_state(dict) for exact resume."""
     raise NotImplementedError
 
   def init_from(self, params: dict, task_state: dict, load) -> tuple[dict, dict]:
-    """(params, task_state) of a run started from `checkpoint.init_from`; `load(tree)` reads the checkpoint's
-    leaves of `tree` (fresh unboxed arrays, the same paths, shapes and shardings). Default: the params are
-    loaded, the task state kept. A frozen reference loads a second copy; a new head keeps its fresh init."""
+    """(params, task_state) of a run started from `checkpoint.init_from`; `load(tree)` reads the
+    checkpoint's leaves of `tree` (fresh unboxed arrays, the same paths, shapes and shardings).
+    Default: the params are loaded, the task state kept. A frozen reference loads a second copy; a
+    new head keeps its fresh init."""
     return load(params), task_state
 
   def make_batch(self, params, extra: dict, task_state: dict, batch: dict, step: int) -> dict:
-    """The training batch of `step` from the fed one (global, sharded over the data axes), on the host
-    before the step, with the state's current params (as they are sharded; no copy). RL builds its batch
-    here: rollouts from the prompts, rewards on the decoded text, advantages. It must return arrays laid
-    out as a fed batch (parallel.batch_sharding), the same shapes every step, and be a function of its
-    arguments (and the seed) for exact resume. Default: the fed batch, unchanged."""
+    """The training batch of `step` from the fed one (global, sharded over the data axes), on the
+    host before the step, with the state's current params (as they are sharded; no copy). RL builds
+    its batch here: rollouts from the prompts, rewards on the decoded text, advantages. It must
+    return arrays laid out as a fed batch (parallel.batch_sharding), the same shapes every step, and
+    be a function of its arguments (and the seed) for exact resume. Default: the fed batch,
+    unchanged."""
     del params, extra, task_state, step
     return batch
 

@@ -19,12 +19,14 @@ def warmup_stable_decay(lr, steps, warmup, min_ratio, decay_fraction):
 
 
 def warmup_constant(lr, warmup):
-  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup),
+                               optax.constant_schedule(lr)], [warmup])
 
 
 def make_schedule(o, steps: int):
-  """The schedule named by `optim.schedule`. A run shorter than its warmup (config validation lets only a
-  one-step run through, `--config.train.steps=1` on any config) takes its steps at the peak rate."""
+  """The schedule named by `optim.schedule`. A run shorter than its warmup (config validation lets
+  only a one-step run through, `--config.train.steps=1` on any config) takes its steps at the peak
+  rate."""
   warmup = min(o.warmup_steps, max(steps - 1, 0))
   schedules = {
       "cosine": lambda: warmup_cosine(o.lr, steps, warmup, o.min_lr_ratio),

@@ -13,7 +13,10 @@ class Feed:
 
   def __init__(self, batch_size: int, sharding):
     self.batch_size, self.sharding = batch_size, sharding
-    self._rows = {d: idx[0] for d, idx in sharding.addressable_devices_indices_map((batch_size,)).items()}
+    self._rows = {
+        d: idx[0]
+        for d, idx in sharding.addressable_devices_indices_map((batch_size,)).items()
+    }
     self.lo = min(r.start or 0 for r in self._rows.values())
     self.hi = max(batch_size if r.stop is None else r.stop for r in self._rows.values())
 
@@ -22,11 +25,15 @@ class Feed:
     def place(x):
       x = np.asarray(x)
       shape = (self.batch_size, *x.shape[1:])
-      shards = [jax.device_put(x[(r.start or 0) - self.lo:(self.batch_size if r.stop is None else r.stop) - self.lo], d)
-                for d, r in self._rows.items()]
+      shards = [
+          jax.device_put(
+              x[(r.start or 0) - self.lo:(self.batch_size if r.stop is None else r.stop) - self.lo],
+              d) for d, r in self._rows.items()
+      ]
       return jax.make_array_from_single_device_arrays(shape, self.sharding, shards)
     return {k: place(v) for k, v in local.items()}
 
   def batch(self, source, index: int) -> dict:
-    """Global batch `index` of a random-access source (synthetic, bytes: `source.batch(index, lo, hi)`)."""
+    """Global batch `index` of a random-access source (synthetic, bytes:
+    `source.batch(index, lo, hi)`)."""
     return self.put(source.batch(index, self.lo, self.hi))

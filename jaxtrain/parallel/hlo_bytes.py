@@ -1,8 +1,10 @@
-"""Bytes that collectives send, counted in compiled HLO text (`jit(f).lower(...).compile().as_text()`).
+"""Bytes that collectives send, counted in compiled HLO text
+(`jit(f).lower(...).compile().as_text()`).
 
-Compiled, never StableHLO: XLA:CPU widens narrow collectives (bf16 -> f32, fp8 -> f16, int4 -> s8), so
-only the compiled module says what crosses the wire. One row per collective instruction (all-reduce,
-all-gather, reduce-scatter, all-to-all, collective-permute; their `-start` forms count, `-done` not).
+Compiled, never StableHLO: XLA:CPU widens narrow collectives (bf16 -> f32, fp8 -> f16, int4 -> s8),
+so only the compiled module says what crosses the wire. One row per collective instruction
+(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute; their `-start` forms count,
+`-done` not).
 
 Bytes one device sends, under ring algorithms over a group of G devices:
 
@@ -12,13 +14,14 @@ Bytes one device sends, under ring algorithms over a group of G devices:
   all-to-all            (G-1)/G x operand bytes    (it keeps its own 1/G)
   collective-permute              operand bytes
 
-A tuple-shaped collective (XLA combines many into one) counts the sum of its parts; s4/u4 count half a
-byte per element, f8* one, bf16 two. Per optimizer step, `per_step = bytes_sent / every`: a collective
-whose metadata op_name has a path component `comm_every_N` (`jax.named_scope(f"comm_every_{N}")`) runs
-once every N steps (a DiLoCo sync inside lax.cond is in the HLO once but runs only when its branch runs);
-nested ones multiply. Without one, it runs every step. A collective inside a while loop (a scan over
-layers or microbatches) runs the loop's trip count times per step (`runs`; once where XLA does not know
-the count): `per_step = bytes_sent x runs / every`.
+A tuple-shaped collective (XLA combines many into one) counts the sum of its parts; s4/u4 count half
+a byte per element, f8* one, bf16 two. Per optimizer step, `per_step = bytes_sent / every`: a
+collective whose metadata op_name has a path component `comm_every_N`
+(`jax.named_scope(f"comm_every_{N}")`) runs once every N steps (a DiLoCo sync inside lax.cond is in
+the HLO once but runs only when its branch runs); nested ones multiply. Without one, it runs every
+step. A collective inside a while loop (a scan over layers or microbatches) runs the loop's trip
+count times per step (`runs`; once where XLA does not know the count):
+`per_step = bytes_sent x runs / every`.
 
 Replica-group ids are logical (replica x partitions + partition), not `device.id`: they index the
 executable's device assignment, which for a jit over shardings of `mesh` is `mesh.devices.flat`. A
@@ -74,7 +77,8 @@ def element_bits(dtype: str) -> int:
 
 
 def shape_parts(shape: str) -> list[tuple[str, float]]:
-  """(element type, bytes) of each array in an HLO shape: `f32[1024]{0}`, `pred[]`, a tuple of them."""
+  """(element type, bytes) of each array in an HLO shape: `f32[1024]{0}`, `pred[]`, a tuple of
+  them."""
   parts = []
   for dtype, dims in _ARRAY.findall(shape):
     count = int(np.prod([int(d.replace("<=", "")) for d in dims.split(",") if d.strip()]))
@@ -122,16 +126,19 @@ def _instruction(line: str):
 
 
 def _groups(attrs: str, kind: str, replicas: int, partitions: int) -> list[list[int]]:
-  """Each group's members as positions in the device assignment (replica x partitions + partition)."""
+  """Each group's members as positions in the device assignment (replica x partitions +
+  partition)."""
   if kind == "collective-permute":
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
-    ids = [[int(x) for x in p.split(",")] for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(1))] if pairs else []
+    ids = ([[int(x) for x in p.split(",")] for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(1))]
+           if pairs else [])
   else:
     ids = _replica_groups(attrs)
   channel, flat = "channel_id=" in attrs, "use_global_device_ids=true" in attrs
   if flat:
     space, expand = replicas * partitions, lambda g: [g]
-  elif channel and (kind in ("all-to-all", "collective-permute")):  # cross-partition: ids are partitions
+  # cross-partition: ids are partitions
+  elif channel and (kind in ("all-to-all", "collective-permute")):
     space, expand = partitions, lambda g: [[r * partitions + p for p in g] for r in range(replicas)]
   elif channel:  # cross-replica-and-partition: each replica of a group, with all its partitions
     space, expand = replicas, lambda g: [[r * partitions + p for r in g for p in range(partitions)]]
@@ -146,9 +153,10 @@ def _groups(attrs: str, kind: str, replicas: int, partitions: int) -> list[list[
 def _replica_groups(attrs: str) -> list[list[int]]:
   """`replica_groups=` in any of the forms XLA prints; [] for `{}` (everyone).
 
-  Listed `{{0,2},{1,3}}`; iota `[2,4]<=[4,2]T(1,0)` (groups [2,4] of iota(8) reshaped [4,2], transposed);
-  mesh axes `mesh['a'=4,'b'=2] {'a'}` (the devices that differ only along the named axes; a sub-axis
-  `'a':(p)s` is the middle factor s of axis a split major-to-minor as [p, s, rest])."""
+  Listed `{{0,2},{1,3}}`; iota `[2,4]<=[4,2]T(1,0)` (groups [2,4] of iota(8) reshaped [4,2],
+  transposed); mesh axes `mesh['a'=4,'b'=2] {'a'}` (the devices that differ only along the named
+  axes; a sub-axis `'a':(p)s` is the middle factor s of axis a split major-to-minor as [p, s,
+  rest])."""
   if m := re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", attrs):
     return _iota(m.group(1)).tolist()
   if m := re.search(r"replica_groups=maximal_mesh\[device_id=(\d+)\]", attrs):
@@ -162,8 +170,8 @@ def _replica_groups(attrs: str) -> list[list[int]]:
 
 
 def _iota(text: str) -> np.ndarray | None:
-  """`[2,4]<=[4,2]T(1,0)`: iota over the reshape dims [4,2], transposed, reshaped to the leading dims
-  (a mesh's device_ids print without them: `[4,2]T(1,0)`, flat). None for any other text."""
+  """`[2,4]<=[4,2]T(1,0)`: iota over the reshape dims [4,2], transposed, reshaped to the leading
+  dims (a mesh's device_ids print without them: `[4,2]T(1,0)`, flat). None for any other text."""
   m = re.fullmatch(r"(?:devices=)?(?:\[([\d,]+)\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
   if not m:
     return None
@@ -175,7 +183,8 @@ def _iota(text: str) -> np.ndarray | None:
 
 
 def _mesh_groups(attrs: str, m) -> list[list[int]]:
-  names, sizes = zip(*[(n.strip("'"), int(v)) for n, v in (a.rsplit("=", 1) for a in _split_top(m.group(1)))])
+  names, sizes = zip(
+      *[(n.strip("'"), int(v)) for n, v in (a.rsplit("=", 1) for a in _split_top(m.group(1)))])
   rest = attrs[m.end():]
   ids = np.arange(int(np.prod(sizes)))
   if rest.startswith(", device_ids=("):
@@ -185,7 +194,8 @@ def _mesh_groups(attrs: str, m) -> list[list[int]]:
     ids = np.array([int(x) for x in re.findall(r"\d+", listed)]) if ids is None else ids.ravel()
     rest = rest[end:]
   grouped = {}  # mesh dim -> [(pre, size)] of the sub-axes named (a full axis: (1, its size))
-  for axis in re.findall(r"('[^']*'|[^,{}\s:]+)(?::\((\d+)\)(\d+))?", re.match(r"\s*\{([^}]*)\}", rest).group(1)):
+  for axis in re.findall(r"('[^']*'|[^,{}\s:]+)(?::\((\d+)\)(\d+))?",
+                         re.match(r"\s*\{([^}]*)\}", rest).group(1)):
     dim = names.index(axis[0].strip("'"))
     grouped.setdefault(dim, []).append((int(axis[1]), int(axis[2])) if axis[1] else (1, sizes[dim]))
   fine, keep = [], []  # the mesh's dims split into sub-axes; which of them are grouped
@@ -238,7 +248,8 @@ def _header_count(header: str, key: str) -> int:
 
 
 def _computations(hlo_text: str) -> dict[str, list]:
-  """{computation name: its instructions (name, shape, opcode, operands, attributes)}, ENTRY under ""."""
+  """{computation name: its instructions (name, shape, opcode, operands, attributes)}, ENTRY under
+  ""."""
   comps, current = {}, None
   for line in hlo_text.splitlines():
     if line.rstrip().endswith("{") and " = " not in line:  # a computation begins
@@ -251,14 +262,16 @@ def _computations(hlo_text: str) -> dict[str, list]:
 
 def _runs(comps: dict[str, list]) -> dict[str, int]:
   """How many times each computation runs per execution of the module: a while body its loop's known
-  trip count (once when XLA does not know it) times its caller's runs; other callees as often as their
-  caller (a conditional's branch at most that often; `comm_every_N` says how rarely)."""
+  trip count (once when XLA does not know it) times its caller's runs; other callees as often as
+  their caller (a conditional's branch at most that often; `comm_every_N` says how rarely)."""
   callers = {}
   for caller, insts in comps.items():
     for _, _, opcode, _, attrs in insts:
       trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs) if opcode == "while" else None
-      for key, callee in re.findall(r"\b(body|condition|calls|to_apply|\w+_computations?)=\{?%?([\w.\-]+)", attrs):
-        callers.setdefault(callee, []).append((caller, int(trips.group(1)) if trips and key == "body" else 1))
+      for key, callee in re.findall(
+          r"\b(body|condition|calls|to_apply|\w+_computations?)=\{?%?([\w.\-]+)", attrs):
+        callers.setdefault(callee, []).append(
+            (caller, int(trips.group(1)) if trips and key == "body" else 1))
       for group in re.findall(r"\w+_computations=\{([^}]*)\}", attrs):
         for callee in re.findall(r"%?([\w.\-]+)", group)[1:]:  # the first one was found above
           callers.setdefault(callee, []).append((caller, 1))
@@ -274,9 +287,11 @@ def _runs(comps: dict[str, list]) -> dict[str, int]:
 def collectives(hlo_text: str, mesh) -> list[Collective]:
   """One row per collective instruction of a compiled module's text, placed on `mesh`."""
   header = hlo_text.split("\n", 1)[0]
-  replicas, partitions = _header_count(header, "replica_count"), _header_count(header, "num_partitions")
+  replicas = _header_count(header, "replica_count")
+  partitions = _header_count(header, "num_partitions")
   if replicas * partitions != mesh.devices.size:
-    raise ValueError(f"the module runs on {replicas * partitions} devices, the mesh has {mesh.devices.size}")
+    raise ValueError(
+        f"the module runs on {replicas * partitions} devices, the mesh has {mesh.devices.size}")
   comps = _computations(hlo_text)
   runs, rows = _runs(comps), []
   for comp, insts in comps.items():
@@ -284,13 +299,18 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
     for name, shape, opcode, operands, attrs in insts:
       kind = opcode.removesuffix("-start")
       if kind in KINDS:
-        rows.append(_row(name, shape, opcode, operands, attrs, shapes, runs[comp], mesh, replicas, partitions))
+        rows.append(
+            _row(name, shape, opcode, operands, attrs, shapes, runs[comp], mesh, replicas,
+                 partitions))
   return rows
 
 
-def _row(name, shape, opcode, operands, attrs, shapes, runs, mesh, replicas, partitions) -> Collective:
+def _row(name, shape, opcode, operands, attrs, shapes, runs, mesh, replicas,
+         partitions) -> Collective:
   kind = opcode.removesuffix("-start")
-  parts = [p for o in operands for p in shape_parts(o if "[" in o else shapes[o.split()[-1].lstrip("%")])]
+  parts = [
+      p for o in operands for p in shape_parts(o if "[" in o else shapes[o.split()[-1].lstrip("%")])
+  ]
   groups = _groups(attrs, kind, replicas, partitions)
   g = max(len(members) for members in groups)
   operand_bytes = sum(b for _, b in parts)
@@ -303,8 +323,9 @@ def _row(name, shape, opcode, operands, attrs, shapes, runs, mesh, replicas, par
   by_dtype = {}
   for dtype, b in parts:
     by_dtype[dtype] = by_dtype.get(dtype, 0.0) + b
-  return Collective(name, kind, tuple(d for d, _ in parts), operand_bytes, result_bytes, g, _axes(groups, mesh),
-                    every_of(op_name), runs, op_name, _FACTOR[kind](g) * counted, tuple(by_dtype.items()))
+  return Collective(name, kind, tuple(d for d, _ in parts), operand_bytes, result_bytes, g,
+                    _axes(groups, mesh), every_of(op_name), runs, op_name,
+                    _FACTOR[kind](g) * counted, tuple(by_dtype.items()))
 
 
 def axes_str(axes: tuple[str, ...]) -> str:

@@ -1,8 +1,9 @@
 """The planner: per-device memory and step time of a config before any run (`predict`), the compiled
-reference it is checked against (`compiled.compiled_memory`), and train.batch_size=auto (`auto.resolve`).
+reference it is checked against (`compiled.compiled_memory`), and train.batch_size=auto
+(`auto.resolve`).
 
-Importing the package imports no jax (the CLI reads `devices.KINDS` before jax loads); `predict`, `Plan` and
-`MEMORY_KEYS` load on first use."""
+Importing the package imports no jax (the CLI reads `devices.KINDS` before jax loads); `predict`,
+`Plan` and `MEMORY_KEYS` load on first use."""
 
 import importlib
 

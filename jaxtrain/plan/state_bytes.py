@@ -1,6 +1,7 @@
-"""Per-device bytes of the train state (params, optimizer state) for any mesh shape, from the state's logical
-annotations, without devices: abstract shapes (eval_shape) x the logical rules -> mesh axes -> each leaf's
-shard. The same annotations the loop's shardings come from (train/state.py), so the split is the loop's."""
+"""Per-device bytes of the train state (params, optimizer state) for any mesh shape, from the
+state's logical annotations, without devices: abstract shapes (eval_shape) x the logical rules ->
+mesh axes -> each leaf's shard. The same annotations the loop's shardings come from (core/state.py),
+so the split is the loop's."""
 
 import json
 import math
@@ -14,7 +15,8 @@ from jaxtrain.core import state as state_lib
 
 
 def _shard_bytes(shape, dtype, mesh_axes, mesh_shape: dict) -> int:
-  """Bytes of the largest shard of an array of `shape` laid out by `mesh_axes` (a PartitionSpec-like tuple)."""
+  """Bytes of the largest shard of an array of `shape` laid out by `mesh_axes` (a PartitionSpec-like
+  tuple)."""
   dims = list(shape)
   for i, entry in enumerate(tuple(mesh_axes)[:len(dims)]):
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
@@ -29,9 +31,9 @@ SHAPELESS = ("remat", "attention", "attention_block", "scan_layers", "fused_norm
 
 
 def state_bytes(cfg, mesh_shape: dict) -> dict:
-  """{"params", "opt_state", "other", "n_params"}: per-device bytes of the train state's parts under the
-  config's rules (other: step, RNG, non-trainable and task state), and the parameter count. Cached: the
-  batch does not change the state, and the batch search asks many times."""
+  """{"params", "opt_state", "other", "n_params"}: per-device bytes of the train state's parts under
+  the config's rules (other: step, RNG, non-trainable and task state), and the parameter count.
+  Cached: the batch does not change the state, and the batch search asks many times."""
   d = cfg.to_dict()
   d["model"] = {k: v for k, v in d["model"].items() if k not in SHAPELESS}
   d["train"] = {k: d["train"][k] for k in ("seq_len", "task")}
@@ -43,7 +45,8 @@ def state_bytes(cfg, mesh_shape: dict) -> dict:
 
 def _state_bytes(cfg, mesh_shape: dict) -> dict:
   task = builder.make_task(cfg, "")
-  tx, _ = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh_shape[cfg.comm.axis], cfg.train.seed)
+  tx, _ = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco, mesh_shape[cfg.comm.axis],
+                      cfg.train.seed)
   boxed = jax.eval_shape(state_lib.init_fn(task, tx, boxed=True), 0)
   rules = config_lib.RULES[cfg.mesh.rules]
 
@@ -53,8 +56,8 @@ def _state_bytes(cfg, mesh_shape: dict) -> dict:
       if isinstance(leaf, nn.Partitioned):
         if not jax.tree.leaves(leaf.value):  # optax.masked's empty node
           continue
-        total += _shard_bytes(leaf.value.shape, leaf.value.dtype, nn.logical_to_mesh_axes(leaf.names, rules),
-                              mesh_shape)
+        total += _shard_bytes(leaf.value.shape, leaf.value.dtype,
+                              nn.logical_to_mesh_axes(leaf.names, rules), mesh_shape)
       elif hasattr(leaf, "shape"):
         total += _shard_bytes(leaf.shape, leaf.dtype, (), mesh_shape)
     return total
@@ -62,4 +65,6 @@ def _state_bytes(cfg, mesh_shape: dict) -> dict:
   params = part(boxed.params)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(boxed.params)))
   other = part((boxed.step, boxed.rng, boxed.extra, boxed.replica_state, boxed.task_state))
-  return {"params": params, "opt_state": part(boxed.opt_state), "other": other, "n_params": n_params}
+  return {
+      "params": params, "opt_state": part(boxed.opt_state), "other": other, "n_params": n_params
+  }

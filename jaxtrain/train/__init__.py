@@ -1,7 +1,9 @@
-"""Training runs: the loop (the composition root), sampling from a run, its workdir, goodput, preemption.
+"""Training runs: the loop (the composition root), sampling from a run, its workdir, goodput,
+preemption.
 
-`jaxtrain.train` is also callable: `jaxtrain.train(cfg, workdir)` runs `loop.train`, while its modules stay
-reachable under the same name. The step, state and tasks it trains are `jaxtrain.core`'s (re-exported here)."""
+`jaxtrain.train` is also callable: `jaxtrain.train(cfg, workdir)` runs `loop.train`, while its
+modules stay reachable under the same name. The step, state and tasks it trains are
+`jaxtrain.core`'s (re-exported here)."""
 
 import sys
 import types
@@ -16,12 +18,15 @@ from jaxtrain.train.workdir import load_config
 
 
 class _CallableModule(types.ModuleType):
-  """`jaxtrain.train(cfg, workdir, ...)` calls the loop; the package's attributes stay as they are."""
+  """`jaxtrain.train(cfg, workdir, ...)` calls the loop; the package's attributes stay as they
+  are."""
 
   def __call__(self, *args, **kwargs):
     return train(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule
-__all__ = ["LanguageModel", "Task", "TrainState", "create_state", "load_config", "make_train_step", "sample",
-           "train"]
+__all__ = [
+    "LanguageModel", "Task", "TrainState", "create_state", "load_config", "make_train_step",
+    "sample", "train"
+]

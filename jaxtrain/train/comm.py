@@ -1,10 +1,11 @@
 """What a config's training step sends over each mesh axis, counted in its compiled HLO, against the
 float32 data-parallel baseline; and a stated model of what that costs on slow links.
 
-`report(cfg)` compiles the step exactly as the loop does (`builder.compile_steps`, same mesh and rules) but
-on abstract state and batch, so nothing is allocated; `parallel.hlo_bytes` counts the bytes. "Over the
-reduced axis" (`optim.reduce_axis`, default replica) counts every collective whose groups span that axis,
-alone or with others. `python -m jaxtrain comm --config=... [--project]` prints `run(cfg, projection)`.
+`report(cfg)` compiles the step exactly as the loop does (`builder.compile_steps`, same mesh and
+rules) but on abstract state and batch, so nothing is allocated; `parallel.hlo_bytes` counts the
+bytes. "Over the reduced axis" (`optim.reduce_axis`, default replica) counts every collective whose
+groups span that axis, alone or with others. `python -m jaxtrain comm --config=...
+[--project]` prints `run(cfg, projection)`.
 """
 
 import copy
@@ -20,13 +21,15 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
 from jaxtrain.parallel import hlo_bytes
 
-# Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in jaxtrain/metrics.py.
+# Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in
+# jaxtrain/metrics.py.
 H200_BF16_FLOPS = metrics_lib.PEAK_FLOPS["H200"]["bfloat16"]
 PROJECTION_MODELS = ("gpt2_small", "llama_1b", "llama_8b")
 
 
 def step_hlo(cfg, devices=None) -> tuple[str, jax.sharding.Mesh]:
-  """(compiled HLO text of the train step of `cfg`, its mesh), compiled on abstract state and batch."""
+  """(compiled HLO text of the train step of `cfg`, its mesh), compiled on abstract state and
+  batch."""
   return _compile(cfg, devices)[:2]
 
 
@@ -41,9 +44,9 @@ def _compile(cfg, devices=None):
 
 
 def baseline_overrides(cfg) -> dict:
-  """Dotted keys that turn `cfg` into its float32 data-parallel baseline: the explicit float32 reduction
-  over the axis the config reduces (comm.axis when it compresses or runs DiLoCo, else optim.reduce_axis,
-  default replica), every other `comm` and `diloco` key at its default."""
+  """Dotted keys that turn `cfg` into its float32 data-parallel baseline: the explicit float32
+  reduction over the axis the config reduces (comm.axis when it compresses or runs DiLoCo, else
+  optim.reduce_axis, default replica), every other `comm` and `diloco` key at its default."""
   defaults = config_lib.default_config()
   out = {"optim.reduce_axis": reduced_axis(cfg)}
   out.update({f"comm.{k}": v for k, v in defaults.comm.items() if k != "axis"})
@@ -72,9 +75,9 @@ def with_overrides(cfg, overrides: dict):
 
 
 def measure(cfgs: list, devices=None) -> list[dict]:
-  """For each config, the bytes per device per optimizer step of its step: by (axes, dtype), in all, and
-  over its reduced axis (every collective whose groups span it); and its parameter count. Equal configs
-  are compiled once."""
+  """For each config, the bytes per device per optimizer step of its step: by (axes, dtype), in all,
+  and over its reduced axis (every collective whose groups span it); and its parameter count. Equal
+  configs are compiled once."""
   keys, done = [json.dumps(cfg.to_dict(), sort_keys=True, default=str) for cfg in cfgs], {}
   for key, cfg in zip(keys, cfgs):
     if key not in done:
@@ -98,18 +101,21 @@ def _report(cfg, config: dict, base: dict) -> dict:
 
 
 def format_report(rep: dict) -> str:
-  """An aligned table: mesh axes x dtype -> bytes per device per optimizer step, config and baseline."""
+  """An aligned table: mesh axes x dtype -> bytes per device per optimizer step, config and
+  baseline."""
   config, base = rep["config"], rep["baseline"]
   table = [("axes", "dtype", "config", "f32 baseline")]
   keys = sorted(k for k in set(config["by_axis"]) | set(base["by_axis"])
                 if config["by_axis"].get(k) or base["by_axis"].get(k))  # not groups of one device
-  table += [(a, d, f"{config['by_axis'].get((a, d), 0):,.0f}", f"{base['by_axis'].get((a, d), 0):,.0f}")
-            for a, d in keys]
+  table += [(a, d, f"{config['by_axis'].get((a, d), 0):,.0f}",
+             f"{base['by_axis'].get((a, d), 0):,.0f}") for a, d in keys]
   table.append(("total", "", f"{config['total']:,.0f}", f"{base['total']:,.0f}"))
   widths = [max(len(row[i]) for row in table) for i in range(4)]
   lines = ["bytes per device per optimizer step (compiled HLO, ring algorithms)"]
-  lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-            for row in table]
+  lines += [
+      "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in table
+  ]
   a, ratio = rep["axis"], rep["ratio"]
   lines.append(f"over {a}: baseline / config = {ratio:.2f}x" if ratio is not None else
                f"over {a}: the config sends nothing (the baseline {base['reduced']:,.0f} bytes)")
@@ -130,33 +136,39 @@ def default_schemes(cfg) -> list[Scheme]:
 
 
 def run(cfg, projection: bool = False, schemes: list[Scheme] | None = None, devices=None) -> str:
-  """What `python -m jaxtrain comm` prints: the report, and with `projection` the projected utilization
-  of each scheme (default: the f32 baseline and this config) from its bytes per parameter over the
-  reduced axis, measured on this config's mesh (an all-reduce's 2 (R-1)/R is its replica count's)."""
+  """What `python -m jaxtrain comm` prints: the report, and with `projection` the projected
+  utilization of each scheme (default: the f32 baseline and this config) from its bytes per
+  parameter over the reduced axis, measured on this config's mesh (an all-reduce's 2 (R-1)/R is its
+  replica count's)."""
   schemes = default_schemes(cfg) if schemes is None else schemes
-  cfgs = [cfg, baseline(cfg)] + ([with_overrides(cfg, s.overrides) for s in schemes] if projection else [])
+  cfgs = [cfg, baseline(cfg)] + ([with_overrides(cfg, s.overrides) for s in schemes]
+                                 if projection else [])
   measured = measure(cfgs, devices)
   text = format_report(_report(cfg, *measured[:2]))
   if projection:
     per_param = {s.name: m["reduced"] / m["params"] for s, m in zip(schemes, measured[2:])}
     rows = project(per_param, overlap_steps={s.name: s.overlap_steps for s in schemes})
-    text += (f"\n\nbytes per parameter per step over {reduced_axis(cfg)}, measured: "
-             + ", ".join(f"{name} {b:.3g}" for name, b in per_param.items()) + "\n" + format_projection(rows))
+    text += (f"\n\nbytes per parameter per step over {reduced_axis(cfg)}, measured: " +
+             ", ".join(f"{name} {b:.3g}" for name, b in per_param.items()) + "\n" +
+             format_projection(rows))
   return text
 
 
 # ---- a model of what the bytes cost between replicas on slow links: stated, not measured ----
 
 
-def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS, bandwidths_gbit=(1, 10, 100),
-            *, overlap_steps: dict[str, float] | None = None, mfu: float = 0.4, peak_flops: float = H200_BF16_FLOPS,
-            step_time_s: dict[str, float] | None = None, tokens_per_replica_step: int | None = None) -> list[dict]:
+def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS,
+            bandwidths_gbit=(1, 10, 100), *, overlap_steps: dict[str, float] | None = None,
+            mfu: float = 0.4, peak_flops: float = H200_BF16_FLOPS,
+            step_time_s: dict[str, float] | None = None,
+            tokens_per_replica_step: int | None = None) -> list[dict]:
   """Projected compute utilization of each scheme for each model config and link bandwidth. A model:
 
-  a replica is one GPU (`peak_flops`, default H200 dense bf16) running the config's batch per step, so
-  T = 6 N tokens / (peak_flops x mfu) unless `step_time_s[model]` gives a measured step time; a replica
-  sends bytes_per_param_per_step[scheme] x N bytes per optimizer step at the link's bandwidth, of which
-  `overlap_steps[scheme]` x T hide behind compute; utilization = T / (T + exposed)."""
+  a replica is one GPU (`peak_flops`, default H200 dense bf16) running the config's batch per step,
+  so T = 6 N tokens / (peak_flops x mfu) unless `step_time_s[model]` gives a measured step time; a
+  replica sends bytes_per_param_per_step[scheme] x N bytes per optimizer step at the link's
+  bandwidth, of which `overlap_steps[scheme]` x T hide behind compute; utilization = T / (T +
+  exposed)."""
   rows = []
   for model in models:
     cfg = config_files.load_config_file(f"configs/{model}.py")
@@ -167,8 +179,10 @@ def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS
       for gbit in bandwidths_gbit:
         comm = per_param * n * 8 / (gbit * 1e9)
         exposed = max(0.0, comm - (overlap_steps or {}).get(scheme, 0.0) * t)
-        rows.append({"scheme": scheme, "model": model, "gbit": gbit, "params": n, "compute_s": t, "comm_s": comm,
-                     "exposed_s": exposed, "utilization": t / (t + exposed)})
+        rows.append({
+            "scheme": scheme, "model": model, "gbit": gbit, "params": n, "compute_s": t,
+            "comm_s": comm, "exposed_s": exposed, "utilization": t / (t + exposed)
+        })
   return rows
 
 
@@ -176,12 +190,16 @@ def format_projection(rows: list[dict]) -> str:
   """A markdown table: a row per scheme, a column per model x bandwidth, utilization in percent."""
   columns = list(dict.fromkeys((r["model"], r["gbit"]) for r in rows))
   cell = {(r["scheme"], r["model"], r["gbit"]): r["utilization"] for r in rows}
-  lines = ["Projected compute utilization (a model, not a measurement: T = 6 N tokens / (peak x mfu) per "
-           "step, comm = bytes x 8 / bandwidth, utilization = T / (T + max(0, comm - overlap x T)))", "",
+  lines = ["Projected compute utilization (a model, not a measurement: T = 6 N tokens / "
+           "(peak x mfu) per step, comm = bytes x 8 / bandwidth, utilization = T / "
+           "(T + max(0, comm - overlap x T)))", "",
            "| scheme | " + " | ".join(f"{m} {g:g} Gbit/s" for m, g in columns) + " |",
            "|---|" + "---:|" * len(columns)]
   for scheme in dict.fromkeys(r["scheme"] for r in rows):
-    lines.append(f"| {scheme} | " + " | ".join(f"{cell[scheme, m, g]:.1%}" for m, g in columns) + " |")
+    lines.append(f"| {scheme} | " + " | ".join(f"{cell[scheme, m, g]:.1%}" for m, g in columns) +
+                 " |")
   steps = {r["model"]: (r["params"], r["compute_s"]) for r in rows}
-  lines += ["", "; ".join(f"{m}: N = {n / 1e6:,.0f}M, T = {t:.3g} s" for m, (n, t) in steps.items())]
+  lines += [
+      "", "; ".join(f"{m}: N = {n / 1e6:,.0f}M, T = {t:.3g} s" for m, (n, t) in steps.items())
+  ]
   return "\n".join(lines)

@@ -1,26 +1,28 @@
 """Goodput (where the job's wall time went) and energy (GPU board power integrated over time).
 
-Goodput as MaxText and Google's ML Goodput Measurement define it: the time spent on productive, preserved
-training steps divided by the job's total elapsed time; the rest is badput, by cause. The loop charges every
-interval of a run to exactly one bucket at its boundaries (`charge`), so the buckets add up to the run's wall
-time:
+Goodput as MaxText and Google's ML Goodput Measurement define it: the time spent on productive,
+preserved training steps divided by the job's total elapsed time; the rest is badput, by cause. The
+loop charges every interval of a run to exactly one bucket at its boundaries (`charge`), so the
+buckets add up to the run's wall time:
 
   productive  train steps whose progress is kept (dispatch, device time, reading the metrics back)
   init        startup: building the task, preparing data, creating the state (not a restore)
   data        waiting for the next host batch
   compile     compiling the train step (the eval step compiles inside its first evaluation)
-  checkpoint  the loop blocked in saves: a due save's blocking part, the final save, waiting for saves in flight
+  checkpoint  the loop blocked in saves: a due save's blocking part, the final save, waiting for
+              saves in flight
   restore     reading a checkpoint (at resume or a rollback)
   eval        evaluations
-  lost        wasted progress: productive time of steps recomputed after a restart (resumed from an older
-              step than the last one computed) or a rollback; moved out of productive
+  lost        wasted progress: productive time of steps recomputed after a restart (resumed from
+              an older step than the last one computed) or a rollback; moved out of productive
 
-A job spans runs on the same workdir: a resumed run reads the cumulative buckets of the previous one from
-metrics.jsonl and the steps it computed (rows with `goodput_*` fields). Wall time is the runs' own time summed
-(the gap between a crash and its restart is not seen from inside). A run that dies without its final row loses
-the record of what it did after its last logged row: the steps in flight (one with log_every=1) are recomputed
-but not counted, and its last seconds are in no bucket. Energy: NVML board power of this process's
-GPUs, sampled on a background thread and integrated by the trapezoid rule, times the process count.
+A job spans runs on the same workdir: a resumed run reads the cumulative buckets of the previous one
+from metrics.jsonl and the steps it computed (rows with `goodput_*` fields). Wall time is the runs'
+own time summed (the gap between a crash and its restart is not seen from inside). A run that dies
+without its final row loses the record of what it did after its last logged row: the steps in flight
+(one with log_every=1) are recomputed but not counted, and its last seconds are in no bucket.
+Energy: NVML board power of this process's GPUs, sampled on a background thread and integrated by
+the trapezoid rule, times the process count.
 """
 
 import os
@@ -30,14 +32,15 @@ from typing import Callable
 
 BUCKETS = ("init", "data", "compile", "checkpoint", "restore", "eval", "lost")
 POWER_INTERVAL_S = 0.1  # seconds between board-power samples
-TRAIL = 4096  # steps of the trail kept at full resolution; older ones are thinned (interpolated between)
+# steps of the trail kept at full resolution; older ones are thinned (interpolated between)
+TRAIL = 4096
 
 
 class Goodput:
   """Cumulative seconds per bucket since the job began, and the steps recomputed.
 
-  `clock` is injectable for tests. `trail` is [(step, productive seconds when it finished)] of the current
-  trajectory, for `rewind`."""
+  `clock` is injectable for tests. `trail` is [(step, productive seconds when it finished)] of the
+  current trajectory, for `rewind`."""
 
   def __init__(self, clock: Callable[[], float] = time.perf_counter):
     self.clock = clock
@@ -50,8 +53,8 @@ class Goodput:
     self.energy_before = 0.0
 
   def charge(self, bucket: str, step: int | None = None) -> float:
-    """Charges the time since the last boundary to `bucket` ("step": productive; `step` then records that
-    step as finished). Returns the seconds charged."""
+    """Charges the time since the last boundary to `bucket` ("step": productive; `step` then records
+    that step as finished). Returns the seconds charged."""
     now = self.clock()
     seconds, self.mark = now - self.mark, now
     if bucket == "step":
@@ -77,8 +80,8 @@ class Goodput:
     return p0 + (p1 - p0) * (step - s0) / (s1 - s0)
 
   def rewind(self, to_step: int, from_step: int):
-    """Training goes back from `from_step` (the newest step computed) to `to_step` (a checkpoint): the productive
-    time of the steps in between becomes lost."""
+    """Training goes back from `from_step` (the newest step computed) to `to_step` (a checkpoint):
+    the productive time of the steps in between becomes lost."""
     if from_step <= to_step:
       return
     lost = max(self.productive_at(from_step) - self.productive_at(to_step), 0.0)
@@ -88,8 +91,8 @@ class Goodput:
     self.trail = [(s, p) for s, p in self.trail if s < to_step] + [(to_step, self.productive)]
 
   def resume(self, rows: list[dict], restored_step: int):
-    """Continues the job that wrote `rows` (metrics.jsonl) from its checkpoint `restored_step`: its cumulative
-    buckets come back, and the steps it computed after `restored_step` count as lost."""
+    """Continues the job that wrote `rows` (metrics.jsonl) from its checkpoint `restored_step`: its
+    cumulative buckets come back, and the steps it computed after `restored_step` count as lost."""
     previous = [r for r in rows if "goodput_wall_s" in r]
     if not previous:
       return
@@ -101,8 +104,8 @@ class Goodput:
     self.lost_steps += last.get("lost_steps", 0)
     self.restarts = last.get("restarts", 0) + 1
     self.energy_before = last.get("energy_j", 0.0)
-    # The trajectory that led to the last row: walking back, each kept row has a lower step than the one after it
-    # (rows of steps that an earlier restart recomputed are skipped).
+    # The trajectory that led to the last row: walking back, each kept row has a lower step than the
+    # one after it (rows of steps that an earlier restart recomputed are skipped).
     trail = []
     for r in reversed([r for r in previous if "event" not in r]):
       if not trail or r["step"] < trail[-1][0]:
@@ -116,10 +119,12 @@ class Goodput:
     return self.before + self.clock() - self.start
 
   def row(self, step: int, tokens_per_step: int = 0, price: float = 0.0, units: int = 1) -> dict:
-    """The cumulative columns of a metrics row at `step`: goodput, each bucket, and energy and cost when known."""
+    """The cumulative columns of a metrics row at `step`: goodput, each bucket, and energy and cost
+    when known."""
     wall = self.wall()
     out = {"goodput": self.productive / wall if wall > 0 else 0.0, "goodput_wall_s": wall,
-           "goodput_productive_s": self.productive, **{f"badput_{k}_s": v for k, v in self.bad.items()},
+           "goodput_productive_s": self.productive,
+           **{f"badput_{k}_s": v for k, v in self.bad.items()},
            "lost_steps": self.lost_steps, "restarts": self.restarts}
     tokens = step * tokens_per_step  # tokens of the kept steps
     if self.energy is not None:
@@ -134,10 +139,11 @@ class Goodput:
 
 def summary(row: dict) -> str:
   """One paragraph from a `row`: goodput, the badput buckets, recomputed steps, energy and cost."""
-  lost = ", ".join(f"{name} {row[f'badput_{name}_s']:.2f} s" for name in BUCKETS if row[f"badput_{name}_s"] > 0)
-  text = (f"goodput {row['goodput']:.1%}: {row['goodput_productive_s']:.2f} s of productive steps in "
-          f"{row['goodput_wall_s']:.2f} s since the job began ({row['restarts']} restarts); badput: {lost or 'none'}; "
-          f"{row['lost_steps']} steps recomputed")
+  lost = ", ".join(
+      f"{name} {row[f'badput_{name}_s']:.2f} s" for name in BUCKETS if row[f"badput_{name}_s"] > 0)
+  text = (f"goodput {row['goodput']:.1%}: {row['goodput_productive_s']:.2f} s of productive steps "
+          f"in {row['goodput_wall_s']:.2f} s since the job began ({row['restarts']} restarts); "
+          f"badput: {lost or 'none'}; {row['lost_steps']} steps recomputed")
   if "energy_j" in row:
     text += f"; energy {row['energy_j'] / 1e3:.3g} kJ (last {row['power_w']:.0f} W)"
     if "joules_per_token" in row:
@@ -148,14 +154,15 @@ def summary(row: dict) -> str:
 
 
 def history(workdir: str) -> list[dict]:
-  """The rows of the workdir's metrics.jsonl (written by process 0), or [] where this process cannot see it."""
+  """The rows of the workdir's metrics.jsonl (written by process 0), or [] where this process cannot
+  see it."""
   from jaxtrain.metrics import read_metrics
   return read_metrics(workdir) if os.path.isfile(os.path.join(workdir, "metrics.jsonl")) else []
 
 
 class EnergyMeter:
-  """Integrates power samples (watts from `read_watts`) over time by the trapezoid rule. `sample()` takes one;
-  `start()` runs a thread that samples every `interval_s` until `stop()`."""
+  """Integrates power samples (watts from `read_watts`) over time by the trapezoid rule. `sample()`
+  takes one; `start()` runs a thread that samples every `interval_s` until `stop()`."""
 
   def __init__(self, read_watts: Callable[[], float], interval_s: float = POWER_INTERVAL_S,
                clock: Callable[[], float] = time.perf_counter, scale: float = 1.0):
@@ -199,8 +206,9 @@ class EnergyMeter:
 
 
 def nvml_power_reader(local_hardware_ids: list[int]) -> Callable[[], float] | None:
-  """Watts drawn by the boards of these CUDA devices (NVML, `pynvml` from nvidia-ml-py), or None when NVML is
-  not there. CUDA_VISIBLE_DEVICES maps CUDA ordinals to NVML indices when it lists integers."""
+  """Watts drawn by the boards of these CUDA devices (NVML, `pynvml` from nvidia-ml-py), or None
+  when NVML is not there. CUDA_VISIBLE_DEVICES maps CUDA ordinals to NVML indices when it lists
+  integers."""
   try:
     import pynvml
     pynvml.nvmlInit()
@@ -219,8 +227,8 @@ def nvml_power_reader(local_hardware_ids: list[int]) -> Callable[[], float] | No
 
 
 def gpu_energy_meter() -> EnergyMeter | None:
-  """A started meter of this process's GPUs, scaled by the process count (hosts alike), or None off GPUs or
-  without NVML."""
+  """A started meter of this process's GPUs, scaled by the process count (hosts alike), or None off
+  GPUs or without NVML."""
   import jax
   if jax.default_backend() != "gpu":
     return None

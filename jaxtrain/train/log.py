@@ -1,5 +1,6 @@
-"""What a run logs: rows of metrics.jsonl (read one step late, so the loop never waits on the device), the
-progress bar, and the constants a row carries (peak FLOP/s, the compiled step's bytes per mesh axis)."""
+"""What a run logs: rows of metrics.jsonl (read one step late, so the loop never waits on the
+device), the progress bar, and the constants a row carries (peak FLOP/s, the compiled step's bytes
+per mesh axis)."""
 
 import time
 from typing import NamedTuple
@@ -38,19 +39,20 @@ def comm_bytes(hlo_text: str, mesh) -> dict:
 
 
 def readable(mesh, per_replica: bool):
-  """`metrics -> metrics` that this process can read on the host. Per-replica metrics lie on the replica
-  axis, which may span processes (then no process can fetch them whole): there they are gathered,
-  replicated, by a small program dispatched right behind the step, so the one-step-late read finds them
-  ready on every process, which all take the same decisions from them. The step itself still sends
-  nothing over the axis between syncs. One process, or metrics already reduced: nothing to do."""
+  """`metrics -> metrics` that this process can read on the host. Per-replica metrics lie on the
+  replica axis, which may span processes (then no process can fetch them whole): there they are
+  gathered, replicated, by a small program dispatched right behind the step, so the one-step-late
+  read finds them ready on every process, which all take the same decisions from them. The step
+  itself still sends nothing over the axis between syncs. One process, or metrics already reduced:
+  nothing to do."""
   if not (per_replica and jax.process_count() > 1):
     return lambda step_metrics: step_metrics
   return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
 
 
 def read_metrics(step_metrics, per_replica: bool) -> dict:
-  """A step's metrics on the host; per-replica ones (a leading axis of one entry per replica) reduced:
-  the worst for the skip counters, the mean for the rest."""
+  """A step's metrics on the host; per-replica ones (a leading axis of one entry per replica)
+  reduced: the worst for the skip counters, the mean for the rest."""
   values = jax.device_get(step_metrics)
   if not per_replica:
     return values
@@ -62,9 +64,11 @@ class Log:
   """Rows of metrics.jsonl and the progress bar. A step's metrics are read one step late (after the
   next step was dispatched), so the loop never waits on the device for them."""
 
-  def __init__(self, writer, bar, constants: dict, task, peak: float, per_replica: bool = False, goodput=None):
+  def __init__(self, writer, bar, constants: dict, task, peak: float, per_replica: bool = False,
+               goodput=None):
     self.writer, self.bar, self.constants, self.peak = writer, bar, constants, peak
-    self.per_replica, self.goodput = per_replica, goodput  # goodput: step -> its cumulative columns, or None
+    # goodput: step -> its cumulative columns, or None
+    self.per_replica, self.goodput = per_replica, goodput
     self.tokens, self.flops = task.tokens_per_batch, task.flops_per_token
     self.restart_window()
 
@@ -84,7 +88,8 @@ class Log:
     step_time = (time.perf_counter() - self.window_start) / max(self.window_steps, 1)
     row = {**values, "step_time_s": step_time, **self.constants}
     if self.tokens:
-      row.update(tokens_per_sec=self.tokens / step_time, mfu=self.flops * self.tokens / step_time / self.peak)
+      row.update(tokens_per_sec=self.tokens / step_time,
+                 mfu=self.flops * self.tokens / step_time / self.peak)
     if self.goodput is not None:
       row.update(self.goodput(step))
     self.writer.write(step, row)
@@ -95,6 +100,8 @@ class Log:
     return row
 
   def health(self, step_metrics) -> dict:
-    """The few scalars read every step: the save policy's warning signs and the divergence counter."""
+    """The few scalars read every step: the save policy's warning signs and the divergence
+    counter."""
     keys = ("loss", "grad_norm", "skipped_steps", "consecutive_skips")
-    return {k: float(v) for k, v in read_metrics({k: step_metrics[k] for k in keys}, self.per_replica).items()}
+    read = read_metrics({k: step_metrics[k] for k in keys}, self.per_replica)
+    return {k: float(v) for k, v in read.items()}

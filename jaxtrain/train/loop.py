@@ -1,9 +1,10 @@
 """The composition root: config -> builder (mesh, task, optimizer, steps) -> state -> the loop.
 
-`train(cfg, workdir, task=None)` is the library entry point (language-model pre-training unless another
-task is passed); the CLI only parses flags and calls it. `_train` reads top to bottom in phases (data,
-sinks and state, compile, loop, the end); the loop's own bookkeeping is one object, `Loop`, whose methods
-are the phases of a step (batch, dispatch, read the previous step, evaluate, stop, save).
+`train(cfg, workdir, task=None)` is the library entry point (language-model pre-training unless
+another task is passed); the CLI only parses flags and calls it. `_train` reads top to bottom in
+phases (data, sinks and state, compile, loop, the end); the loop's own bookkeeping is one object,
+`Loop`, whose methods are the phases of a step (batch, dispatch, read the previous step, evaluate,
+stop, save).
 """
 
 import contextlib
@@ -15,7 +16,8 @@ import jax
 import tqdm.auto
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, parallel
-from jaxtrain.builder import Run, build, compile_steps, init_params, per_replica_metrics, restore_state
+from jaxtrain.builder import (Run, build, compile_steps, init_params, per_replica_metrics,
+                              restore_state)
 from jaxtrain.core import state as state_lib
 from jaxtrain.plan import auto
 from jaxtrain.train import goodput as goodput_lib, lock, peers
@@ -23,20 +25,22 @@ from jaxtrain.train.log import Log, Pending, comm_bytes, peak_flops_total, reada
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.workdir import check_workdir, write_config
 
-PROGRESS_INTERVAL_S = 1.0  # the progress bar redraws at most this often (notebooks keep every redraw)
+# the progress bar redraws at most this often (notebooks keep every redraw)
+PROGRESS_INTERVAL_S = 1.0
 
 
 def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
           sync_every_step: bool = False, start_over: bool = False) -> dict:
-  """Trains `task` (default: the one train.task names) in `workdir`, resuming from its newest checkpoint;
-  returns the last logged metrics.
+  """Trains `task` (default: the one train.task names) in `workdir`, resuming from its newest
+  checkpoint; returns the last logged metrics.
 
   `devices` defaults to all; `sync_every_step` blocks on each step (many virtual CPU devices on few
   cores have deadlocked XLA's collectives when steps were dispatched ahead); `start_over` deletes
   the workdir's checkpoints and logs (needed when they come from an incompatible config). Whatever
   happens, every sink and manager opened here is closed before it returns or raises. The workdir is
-  locked for the run: a second run on it is refused (one line). Multi-process: a lost peer ends every
-  survivor with one line and status 6 within ~1.2 x `train.peer_timeout_s` (train/peers.py)."""
+  locked for the run: a second run on it is refused (one line). Multi-process: a lost peer ends
+  every survivor with one line and status 6 within ~1.2 x `train.peer_timeout_s`
+  (train/peers.py)."""
   with peers.watch(cfg.train.peer_timeout_s), lock.hold(workdir):
     return _train(cfg, workdir, task, devices, progress, sync_every_step, start_over)
 
@@ -44,7 +48,8 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
 def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
   goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
   devices = jax.devices() if devices is None else devices
-  cfg, auto_row = auto.resolve(cfg, devices)  # batch_size/microbatches=auto: chosen, compiled, confirmed
+  # batch_size/microbatches=auto: chosen, compiled, confirmed
+  cfg, auto_row = auto.resolve(cfg, devices)
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
   run = build(cfg, workdir, devices, task)
@@ -54,7 +59,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     goodput.energy = goodput_lib.gpu_energy_meter()  # None off NVIDIA GPUs or without nvidia-ml-py
     if goodput.energy is not None:
       stack.callback(goodput.energy.stop)
-    # ---- data, opened before compiling: this process's rows of each global batch, with a state ----
+    # ---- data, opened before compiling: this process's rows of each global batch, with a state
+    # ----
     feed, train_iter = open_data(cfg, run, show)
     constants, sizes = run.task.constants(), run.task.sizes()
     if show and sizes:
@@ -62,7 +68,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
             flush=True)
     write_config(cfg, workdir)
 
-    # ---- sinks and state: restored from the newest complete checkpoint of any tier, or born sharded ----
+    # ---- sinks and state: restored from the newest complete checkpoint of any tier, or born
+    # sharded ----
     writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     stack.callback(writer.close)
     if auto_row:
@@ -79,7 +86,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     bar = stack.enter_context(tqdm.auto.tqdm(total=cfg.train.steps, initial=int(state.step),
                                              disable=not show, dynamic_ncols=True,
                                              mininterval=PROGRESS_INTERVAL_S))
-    units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()  # paid for
+    # paid for
+    units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
     log = Log(writer, bar, constants, run.task, peak, per_replica_metrics(cfg),
               lambda s: goodput.row(s, run.task.tokens_per_batch, cfg.train.gpu_hour_price, units))
     loop = Loop(cfg, run, feed, train_iter, state, train_fn, eval_fn, log, ckpts, goodput,
@@ -111,8 +119,8 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
 
 
 def open_data(cfg, run: Run, show: bool):
-  """(feed, train iterator): this process's rows of each global batch; a missing corpus or one without
-  usable documents is one ConfigError line, now rather than at the first evaluation."""
+  """(feed, train iterator): this process's rows of each global batch; a missing corpus or one
+  without usable documents is one ConfigError line, now rather than at the first evaluation."""
   feed = parallel.Feed(run.task.batch_size, parallel.batch_sharding(run.mesh))
   try:
     run.task.prepare(show)
@@ -125,18 +133,20 @@ def open_data(cfg, run: Run, show: bool):
 
 
 def start_state(cfg, workdir: str, run: Run, ckpts, goodput, writer, train_iter):
-  """(state, shardings): the newest complete checkpoint of any tier read straight into its shardings (the
-  data iterator's state with it), else the state born sharded, its params from checkpoint.init_from when
-  set."""
+  """(state, shardings): the newest complete checkpoint of any tier read straight into its shardings
+  (the data iterator's state with it), else the state born sharded, its params from
+  checkpoint.init_from when set."""
   if ckpts.latest()[0] is not None:
     goodput.charge("init")
-    state, shardings, data_state, row = restore_state(ckpts, run.task, run.tx, run.mesh, cfg.mesh.rules)
+    state, shardings, data_state, row = restore_state(ckpts, run.task, run.tx, run.mesh,
+                                                      cfg.mesh.rules)
     goodput.charge("restore")
     goodput.resume(goodput_lib.history(workdir), int(state.step))
     train_iter.set_state(data_state)
     writer.write(int(state.step), row)
     return state, shardings
-  state, shardings = state_lib.create_state(run.task, run.tx, cfg.train.seed, run.mesh, cfg.mesh.rules)
+  state, shardings = state_lib.create_state(run.task, run.tx, cfg.train.seed, run.mesh,
+                                            cfg.mesh.rules)
   if cfg.checkpoint.init_from:
     load = lambda like: init_params(cfg.checkpoint.init_from, like)
     params, task_state = run.task.init_from(state.params, state.task_state, load)
@@ -155,7 +165,8 @@ def checkpoint_meta(cfg, workdir: str) -> dict:
 
 
 def evaluate(eval_fn, state, feed, task, n: int) -> dict:
-  """The task's eval metrics over the first n batches of a fresh eval iterator (a fixed held-out set)."""
+  """The task's eval metrics over the first n batches of a fresh eval iterator (a fixed held-out
+  set)."""
   batches = task.batches("eval", feed.lo, feed.hi)
   sums = [jax.device_get(eval_fn(state.params, state.extra, state.task_state, feed.put(local)))
           for _, local in zip(range(n), batches)]
@@ -163,11 +174,12 @@ def evaluate(eval_fn, state, feed, task, n: int) -> dict:
 
 
 class Loop:
-  """What the loop carries from step to step: the state and step, the previous step's metrics (read one
-  step late, `Pending`), the last logged row, the rollbacks, and the sinks each phase charges or writes."""
+  """What the loop carries from step to step: the state and step, the previous step's metrics (read
+  one step late, `Pending`), the last logged row, the rollbacks, and the sinks each phase charges or
+  writes."""
 
-  def __init__(self, cfg, run: Run, feed, train_iter, state, train_fn, eval_fn, log: Log, ckpts, goodput,
-               meta: dict, sync_every_step: bool, show: bool):
+  def __init__(self, cfg, run: Run, feed, train_iter, state, train_fn, eval_fn, log: Log, ckpts,
+               goodput, meta: dict, sync_every_step: bool, show: bool):
     self.cfg, self.run, self.feed, self.train_iter = cfg, run, feed, train_iter
     self.state, self.train_fn, self.eval_fn, self.compiled = state, train_fn, eval_fn, None
     self.log, self.ckpts, self.goodput, self.meta = log, ckpts, goodput, meta
@@ -179,14 +191,16 @@ class Loop:
     self.gather = readable(run.mesh, log.per_replica)
 
   def next_batch(self):
-    """This step's batch (task.make_batch of the fed rows), or None after a Ctrl-C in host code without
-    the handler (a second one, or a task's own): the batch it was reading is the resumed run's first."""
+    """This step's batch (task.make_batch of the fed rows), or None after a Ctrl-C in host code
+    without the handler (a second one, or a task's own): the batch it was reading is the resumed
+    run's first."""
     data_state = self.train_iter.get_state()
     try:
       local = next(self.train_iter)
       self.goodput.charge("data")
       s = self.state
-      return self.run.task.make_batch(s.params, s.extra, s.task_state, self.feed.put(local), self.step)
+      return self.run.task.make_batch(s.params, s.extra, s.task_state, self.feed.put(local),
+                                      self.step)
     except KeyboardInterrupt:
       self.train_iter.set_state(data_state)
       self.last["preempted"] = self.preemption.requested = "KeyboardInterrupt"
@@ -194,8 +208,8 @@ class Loop:
       return None
 
   def dispatch(self, batch):
-    """Runs the step; its metrics stay on the device. Compiled at the first step, here, so that its HLO
-    says what the step sends (comm_bytes)."""
+    """Runs the step; its metrics stay on the device. Compiled at the first step, here, so that its
+    HLO says what the step sends (comm_bytes)."""
     if self.compiled is None:
       self.goodput.charge("step")
       self.compiled = self.train_fn.lower(self.state, batch).compile()
@@ -231,13 +245,14 @@ class Loop:
     self.goodput.charge("restore")
     self.goodput.rewind(self.step, p.step)
     self.rollbacks += 1
-    self.log.event(self.step, {"event": "rollback", "from_step": p.step, "rollbacks": self.rollbacks})
+    self.log.event(self.step,
+                   {"event": "rollback", "from_step": p.step, "rollbacks": self.rollbacks})
     self.pending = None
     self.log.restart_window()
 
   def schedule_log(self, step_metrics, is_last: bool):
-    """This step's metrics become the pending ones, with the evaluation's results when one is due. The
-    first step is always logged alone: its time includes compilation, later windows' do not."""
+    """This step's metrics become the pending ones, with the evaluation's results when one is due.
+    The first step is always logged alone: its time includes compilation, later windows' do not."""
     t, n = self.cfg.train, self.step + 1
     self.log.window_steps += 1
     due = is_last or self.step == self.start or n % t.log_every == 0
@@ -246,10 +261,12 @@ class Loop:
       self.pending = Pending(n, step_metrics, True, self.evaluate(n))
 
   def evaluate(self, n: int) -> dict:
-    jax.block_until_ready(self.state)  # the step's own time stays in the step's window, the eval's not
+    # the step's own time stays in the step's window, the eval's not
+    jax.block_until_ready(self.state)
     self.goodput.charge("step", n)
     eval_start = time.perf_counter()
-    result = evaluate(self.eval_fn, self.state, self.feed, self.run.task, self.cfg.train.eval_batches)
+    result = evaluate(self.eval_fn, self.state, self.feed, self.run.task,
+                      self.cfg.train.eval_batches)
     result["eval_time_s"] = time.perf_counter() - eval_start
     self.goodput.charge("eval")
     self.log.window_start += result["eval_time_s"]
@@ -268,7 +285,8 @@ class Loop:
 
   def save(self, is_last: bool):
     """A save when a tier is due (not at the last step: the end saves), then the finished background
-    saves' rows; errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a row."""
+    saves' rows; errors.SaveFailed after checkpoint.max_failed_saves failed saves of a tier in a
+    row."""
     if not is_last and (due := self.ckpts.due(self.step)):
       jax.block_until_ready(self.state)  # the save waits for its step: that wait is the step's
       self.goodput.charge("step", self.step)
@@ -286,9 +304,10 @@ class Loop:
       return
     o = self.cfg.optim
     if self.log.health(self.pending.metrics)["consecutive_skips"] >= o.max_consecutive_skips:
-      raise errors.Diverged(f"training diverged: the last {o.max_consecutive_skips} updates up to step "
-                            f"{self.pending.step} were not finite (optim.max_consecutive_skips); lower "
-                            "optim.lr")
+      raise errors.Diverged(
+          f"training diverged: the last {o.max_consecutive_skips} updates up to step "
+          f"{self.pending.step} were not finite (optim.max_consecutive_skips); lower "
+          "optim.lr")
     self.last.update(self.log.step(self.pending))
 
   def finish(self) -> dict:
@@ -296,7 +315,8 @@ class Loop:
     step = int(self.state.step)
     jax.block_until_ready(self.state)
     self.goodput.charge("step", step)
-    self.ckpts.save(step, self.state, self.train_iter.get_state(), self.meta, self.ckpts.persistent())
+    self.ckpts.save(step, self.state, self.train_iter.get_state(), self.meta,
+                    self.ckpts.persistent())
     self.ckpts.wait()
     self.goodput.charge("checkpoint")
     self.saved()
@@ -317,11 +337,12 @@ class Loop:
 
 
 def _rollback(cfg, ckpts, run: Run, step: int, rollbacks: int):
-  """(state, step) of the last good checkpoint, or errors.Diverged when there is none or rollbacks ran
-  out."""
+  """(state, step) of the last good checkpoint, or errors.Diverged when there is none or rollbacks
+  ran out."""
   o = cfg.optim
-  why = (f"training diverged: {o.max_consecutive_skips} non-finite updates in a row up to step {step} "
-         f"(optim.max_consecutive_skips)")
+  why = (
+      f"training diverged: {o.max_consecutive_skips} non-finite updates in a row up to step {step} "
+      f"(optim.max_consecutive_skips)")
   if o.on_divergence != "rollback":
     raise errors.Diverged(f"{why}; lower optim.lr, or set optim.on_divergence=rollback")
   ckpts.wait()

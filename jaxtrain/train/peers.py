@@ -1,16 +1,18 @@
-"""The processes of a multi-process run (jax.distributed): agreement, and the end of a run that lost one.
+"""The processes of a multi-process run (jax.distributed): agreement, and the end of a run that lost
+one.
 
 `agree(name, value)`: process 0's value on every process, through jax's distributed key-value store.
 
 `watch(timeout_s)`: a lost peer ends every survivor with one line naming it and exit status 6
-(`errors.PeerLost`) within about 1.2 x `timeout_s` (`train.peer_timeout_s`). jax alone ends it badly: the
-survivors' collectives fail or block, and a heartbeat timeout later jax's client aborts them (status 134, a
-C++ stack); when process 0 dies, which hosts jax's coordination service, the others abort at once. So a
-thread writes this process's heartbeat into the key-value store every `timeout_s / 10` and reads everyone's:
-a peer silent for `timeout_s` is lost. An abort by jax's client (SIGABRT) while watching is named too: the
-coordinator when it cannot be reached, else the peer silent longest. Both print the line and `os._exit(6)`:
-the main thread may be blocked in a collective that never returns, and a normal exit would wait in jax's
-shutdown barrier and then abort.
+(`errors.PeerLost`) within about 1.2 x `timeout_s` (`train.peer_timeout_s`). jax alone ends it
+badly: the survivors' collectives fail or block, and a heartbeat timeout later jax's client aborts
+them (status 134, a C++ stack); when process 0 dies, which hosts jax's coordination service, the
+others abort at once. So a thread writes this process's heartbeat into the key-value store every
+`timeout_s / 10` and reads everyone's: a peer silent for `timeout_s` is lost. An abort by jax's
+client (SIGABRT) while watching is named too: the coordinator when it cannot be reached, else the
+peer silent longest. Both print the line and `os._exit(6)`: the main thread may be blocked in a
+collective that never returns, and a normal exit would wait in jax's shutdown barrier and then
+abort.
 """
 
 import contextlib
@@ -29,12 +31,14 @@ from jaxtrain.errors import PeerLost, RunError
 
 DONE = "done"  # a peer's last heartbeat when it left `watch` normally: not lost
 AGREE_TIMEOUT_MS = 3600 * 1000  # waiting for process 0; a lost one ends the run sooner (watch)
-_AGREEMENTS = {}  # name -> counter: every process calls agree() with the same names in the same order
+# name -> counter: every process calls agree() with the same names in the same order
+_AGREEMENTS = {}
 _WATCHES = itertools.count()
 
 
 def _client():
-  from jax._src import distributed  # the key-value store that orbax and jax's own multihost code use
+  # the key-value store that orbax and jax's own multihost code use
+  from jax._src import distributed
   return distributed.global_state.client
 
 
@@ -51,9 +55,11 @@ def agree(name: str, value: str) -> str:
 
 
 class Silence:
-  """Each peer's silence: the seconds since the heartbeat it writes last changed, from periodic reads.
+  """Each peer's silence: the seconds since the heartbeat it writes last changed, from periodic
+  reads.
 
-  A read adds at most two intervals: a watcher that was itself paused blames no peer for its own pause."""
+  A read adds at most two intervals: a watcher that was itself paused blames no peer for its own
+  pause."""
 
   def __init__(self, me: int, interval_s: float):
     self.me, self.interval_s = me, interval_s
@@ -74,8 +80,10 @@ class Silence:
         self.seconds[peer] += step
 
   def longest(self) -> tuple[int | None, float]:
-    """(the peer silent longest, seconds); peers that left normally or never wrote are not judged."""
-    seconds, peer = max(((s, p) for p, s in self.seconds.items() if p not in self.done), default=(0.0, None))
+    """(the peer silent longest, seconds); peers that left normally or never wrote are not
+    judged."""
+    seconds, peer = max(((s, p) for p, s in self.seconds.items() if p not in self.done),
+                        default=(0.0, None))
     return peer, seconds
 
   def who(self, peer: int) -> str:
@@ -100,9 +108,13 @@ class Watch:
     step = 0.0 if self._last_tick is None else min(now - self._last_tick, 2 * self.interval_s)
     self._last_tick = now
     try:
-      _client().key_value_set(self.prefix + str(self.me), f"{self._beat} {os.getpid()} {socket.gethostname()}",
+      _client().key_value_set(self.prefix + str(self.me),
+                              f"{self._beat} {os.getpid()} {socket.gethostname()}",
                               allow_overwrite=True)
-      beats = {int(key.rsplit("/", 1)[1]): beat for key, beat in _client().key_value_dir_get(self.prefix)}
+      beats = {
+          int(key.rsplit("/", 1)[1]): beat
+          for key, beat in _client().key_value_dir_get(self.prefix)
+      }
       self.unreachable_s = 0.0
     except Exception:  # noqa: BLE001 (the store is gone with process 0, or jax's client is failing)
       beats, self.unreachable_s = {}, self.unreachable_s + step
@@ -111,14 +123,17 @@ class Watch:
   def verdict(self) -> str | None:
     """The line that ends this process, once a peer is lost."""
     if self.me != 0 and self.unreachable_s >= self.timeout_s:
-      return self._lost(0, f"the coordinator's key-value store was unreachable for {self.unreachable_s:.0f} s")
+      return self._lost(
+          0, f"the coordinator's key-value store was unreachable for {self.unreachable_s:.0f} s")
     peer, seconds = self.silence.longest()
     if peer is not None and seconds >= self.timeout_s:
-      return self._lost(peer, f"no heartbeat for {seconds:.0f} s (train.peer_timeout_s={self.timeout_s:g})")
+      return self._lost(
+          peer, f"no heartbeat for {seconds:.0f} s (train.peer_timeout_s={self.timeout_s:g})")
     return None
 
   def abort_verdict(self) -> str | None:
-    """The line for an abort by jax's client (a peer or the coordinator gone), or None: not a lost peer."""
+    """The line for an abort by jax's client (a peer or the coordinator gone), or None: not a lost
+    peer."""
     from jax._src import distributed
     address = distributed.global_state.coordinator_address or ""
     if self.me != 0 and not _reachable(address):
@@ -126,7 +141,9 @@ class Watch:
     peer, seconds = self.silence.longest()
     unseen = [p for p in range(self.count) if p != self.me and p not in self.silence.beats]
     if peer is not None and seconds >= 2 * self.interval_s:
-      return self._lost(peer, f"no heartbeat for {seconds:.0f} s, and jax's distributed service found a task dead")
+      return self._lost(
+          peer,
+          f"no heartbeat for {seconds:.0f} s, and jax's distributed service found a task dead")
     if unseen:
       return self._lost(unseen[0], "jax's distributed service found a task dead")
     return None
@@ -141,12 +158,14 @@ class Watch:
         end(line)
 
   def settle(self):
-    """After an error in the main thread (a failed collective, say): gives the heartbeats time to name a
-    lost peer (that ends the process), and returns once every peer is heard again or the time is up."""
+    """After an error in the main thread (a failed collective, say): gives the heartbeats time to
+    name a lost peer (that ends the process), and returns once every peer is heard again or the time
+    is up."""
     deadline = time.monotonic() + self.timeout_s + 3 * self.interval_s
-    # A lost peer's last beat was written before the error, but a read in flight when it came may not have
-    # seen it: compare against a read that began after the error (the heartbeat thread's next-but-one tick),
-    # or that last beat looks like the peer heard again, and the process leaves to hang in jax's shutdown.
+    # A lost peer's last beat was written before the error, but a read in flight when it came may
+    # not have seen it: compare against a read that began after the error (the heartbeat thread's
+    # next-but-one tick), or that last beat looks like the peer heard again, and the process leaves
+    # to hang in jax's shutdown.
     first = self._beat
     while self._beat < first + 2 and time.monotonic() < deadline:
       self._stop.wait(self.interval_s / 2)
@@ -154,7 +173,8 @@ class Watch:
     while time.monotonic() < deadline:
       self._stop.wait(self.interval_s / 2)
       beats, done = self.silence.beats, self.silence.done
-      if all(p in done or beats.get(p, before.get(p)) != before.get(p) for p in range(self.count) if p != self.me):
+      if all(p in done or beats.get(p, before.get(p)) != before.get(p) for p in range(self.count)
+             if p != self.me):
         return
 
   def start(self):
@@ -170,12 +190,13 @@ class Watch:
 
 
 def end(line: str):
-  """Prints `error: line` as the last line on stderr (on a line of its own) and ends the process with
-  PeerLost's status."""
+  """Prints `error: line` as the last line on stderr (on a line of its own) and ends the process
+  with PeerLost's status."""
   for stream in (sys.stdout, sys.stderr):
     with contextlib.suppress(Exception):
       stream.flush()
-  os.write(2, f"\nerror: {PeerLost(line)}\n".encode(errors="replace"))  # a progress bar may hold the line
+  # a progress bar may hold the line
+  os.write(2, f"\nerror: {PeerLost(line)}\n".encode(errors="replace"))
   os._exit(PeerLost.exit_status)
 
 
@@ -188,8 +209,9 @@ def _reachable(address: str) -> bool:
   return True
 
 
-# ---- jax's client aborts the process (SIGABRT) when the coordination service reports a dead task or
-# cannot be reached; a C-level handler (a Python one would run too late) names the lost peer first ----
+# ---- jax's client aborts the process (SIGABRT) when the coordination service reports a dead task
+# or cannot be reached; a C-level handler (a Python one would run too late) names the lost peer
+# first ----
 
 _SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _watching: list[Watch] = []
@@ -207,7 +229,8 @@ _ON_ABORT = _SIGNAL_HANDLER(_on_abort)  # kept alive for as long as the module
 
 
 def _set_abort_handler(handler):
-  """Installs `handler` (a C function pointer, or None for the default) for SIGABRT; returns the previous one."""
+  """Installs `handler` (a C function pointer, or None for the default) for SIGABRT; returns the
+  previous one."""
   libc = ctypes.CDLL(None)
   libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_void_p]
   return libc.signal(signal.SIGABRT, handler)
@@ -215,7 +238,8 @@ def _set_abort_handler(handler):
 
 @contextlib.contextmanager
 def watch(timeout_s: float):
-  """Multi-process runs: a lost peer ends this process with one line and status 6 (see the module doc)."""
+  """Multi-process runs: a lost peer ends this process with one line and status 6 (see the module
+  doc)."""
   import jax
   if jax.process_count() == 1 or _client() is None:
     yield

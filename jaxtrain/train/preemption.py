@@ -44,7 +44,8 @@ class Preemption:
     self._previous = {}
 
   def __enter__(self):
-    # several processes: jax's own SIGTERM notifier must keep the signal (a Python handler would take it)
+    # several processes: jax's own SIGTERM notifier must keep the signal (a Python handler would
+    # take it)
     if threading.current_thread() is threading.main_thread() and not self._multiprocess:
       self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
     return self

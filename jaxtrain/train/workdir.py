@@ -1,7 +1,7 @@
 """A run's workdir: its config.json (written atomically, read back), and the check at start that
 refuses a workdir holding an incompatible run (judged by the config stored in its newest checkpoint,
-config.json or not), or with `start_over` clears it. Every process takes the same branch: process 0's
-view decides, broadcast to the others."""
+config.json or not), or with `start_over` clears it. Every process takes the same branch: process
+0's view decides, broadcast to the others."""
 
 import json
 import os
@@ -34,24 +34,27 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
           os.remove(path)
     _sync("jaxtrain_start_over")
     return
-  # The newest checkpoint's own config is the truth (config.json may be missing or stale). Every process
-  # takes the same branch (the probe runs Orbax's cross-process barriers): process 0's view decides, and the
-  # broadcast is also the barrier that keeps any process from writing config.json before all have looked.
+  # The newest checkpoint's own config is the truth (config.json may be missing or stale). Every
+  # process takes the same branch (the probe runs Orbax's cross-process barriers): process 0's view
+  # decides, and the broadcast is also the barrier that keeps any process from writing config.json
+  # before all have looked.
   saved = load_config(workdir) if _agreed(os.path.isfile(saved_path)) else None
   stored = newest_stored_config([cfg] + ([saved] if saved else []), workdir, saved)
   diff = config_lib.incompatible(stored, cfg.to_dict()) if stored is not None else []
   if diff:
     shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
-    raise config_lib.ConfigError(f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
-                                 "to replace it, or use another --workdir")
+    raise config_lib.ConfigError(
+        f"{workdir} holds a run of another config ({shown}); rerun with --start_over "
+        "to replace it, or use another --workdir")
   if stored is not None:
     _check_replicas(stored, cfg, workdir)
 
 
 def _check_replicas(stored: dict, cfg, workdir: str):
-  """A run with per-replica optimizer state (DiLoCo's replicas, error-feedback residuals) resumes on its
-  number of replicas only: each replica's copy is its own, and neither averaging them nor inventing new
-  ones continues the same run. Refused with one line; the mesh may change otherwise."""
+  """A run with per-replica optimizer state (DiLoCo's replicas, error-feedback residuals) resumes on
+  its number of replicas only: each replica's copy is its own, and neither averaging them nor
+  inventing new ones continues the same run. Refused with one line; the mesh may change
+  otherwise."""
   saved = config_lib.default_config()
   saved.update_from_flattened_dict({k: v for k, v in config_lib.flat(stored).items()
                                     if k.startswith(("comm.", "diloco.", "mesh."))})
@@ -60,14 +63,15 @@ def _check_replicas(stored: dict, cfg, workdir: str):
   axis, n = saved.comm.axis, jax.device_count()
   was, now = config_lib.mesh_shape(saved.mesh, n)[axis], config_lib.mesh_shape(cfg.mesh, n)[axis]
   if was != now:
-    raise config_lib.ConfigError(f"{workdir} holds a run with {was} shards on the {axis} axis and per-replica "
-                                 f"optimizer state (DiLoCo, error feedback); it resumes on {was} only: set "
-                                 f"--config.mesh.{axis}={was}, or --start_over")
+    raise config_lib.ConfigError(
+        f"{workdir} holds a run with {was} shards on the {axis} axis and per-replica "
+        f"optimizer state (DiLoCo, error feedback); it resumes on {was} only: set "
+        f"--config.mesh.{axis}={was}, or --start_over")
 
 
 def newest_stored_config(configs, workdir: str, saved=None) -> dict | None:
-  """The config stored with the newest step of any tier of `configs` (the step's `meta` item; `saved`, the
-  config.json, for a step without one), or None when no tier holds a step."""
+  """The config stored with the newest step of any tier of `configs` (the step's `meta` item;
+  `saved`, the config.json, for a step without one), or None when no tier holds a step."""
   probes = [checkpoint.Checkpoints(c.checkpoint, workdir, read_only=True) for c in configs]
   try:
     found = [p.latest() for p in probes]
@@ -78,7 +82,8 @@ def newest_stored_config(configs, workdir: str, saved=None) -> dict | None:
     if not (epath.Path(tier.directory) / str(step) / "meta").exists():
       return saved.to_dict() if saved else None
     import orbax.checkpoint as ocp
-    return tier.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["config"]
+    return tier.manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["config"]
   finally:
     for p in probes:
       p.close()
