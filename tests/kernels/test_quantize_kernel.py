@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtrain import wire
 from jaxtrain.kernels.quantize import ops, reference
 from jaxtrain.optim import quantize
 
@@ -52,7 +53,8 @@ def _bits(a):
 def test_kernel_and_reference_equal_the_composition_bitwise(fmt, shape, block, rows_per_program, feedback):
   g, error = _inputs(shape, block, seed=len(shape) + block)
   error = error if feedback else None
-  scale = quantize.fp8_scale(jnp.max(jnp.abs(g if error is None else g + error))) if fmt == "fp8" else None
+  x = g if error is None else g + error
+  scale = wire.fp8.shared_scale(jnp.max(jnp.abs(x))) if fmt == "fp8" else None
   want = jax.jit(lambda g, e: _composition(g, e, fmt, block, scale))(g, error)
   run = lambda impl: lambda g, e: ops.quantize_with_feedback(g, e, fmt, block, scale, impl=impl,
                                                              rows_per_program=rows_per_program, interpret=True)

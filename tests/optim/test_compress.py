@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain import collectives
-from jaxtrain.optim import compress, quantize
+from jaxtrain import collectives, wire
+from jaxtrain.optim import compress
 from tests.optim.test_quantize import blocks_of_mixed_scale
 
 R = 4  # replicas
@@ -31,7 +31,7 @@ def per_replica(fn, mesh, in_specs, out_specs):
 BOUND = {"f32": 0.0, "bf16": 2.0 ** -8, "fp8": 2.0 ** -4, "int8": 1 / 254, "int4": 1 / 14}
 
 
-@pytest.mark.parametrize("fmt", quantize.FORMATS)
+@pytest.mark.parametrize("fmt", tuple(wire.FORMATS))
 def test_compressed_mean_of_identical_inputs_is_the_input(mesh, fmt):
   x = blocks_of_mixed_scale((1, 4096), seed=3)[0]
   same = np.tile(x, (R, 1)).reshape(-1)
@@ -41,7 +41,7 @@ def test_compressed_mean_of_identical_inputs_is_the_input(mesh, fmt):
   absmax = np.abs(x.reshape(-1, 256)).max(-1, keepdims=True)
   bound = 2 * BOUND[fmt] * (np.abs(x).reshape(-1, 256) if fmt in ("bf16", "fp8") else absmax)
   if fmt == "fp8":
-    bound = bound + 4 * np.abs(x).max() / quantize.FP8_MAX * 2.0 ** -10
+    bound = bound + 4 * np.abs(x).max() / wire.fp8.FP8_MAX * 2.0 ** -10
   assert np.all(np.abs(mean - x).reshape(-1, 256) <= bound * (1 + 1e-5) + 1e-12)
   if fmt == "f32":
     np.testing.assert_array_equal(mean, x)

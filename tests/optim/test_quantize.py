@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtrain import wire
 from jaxtrain.optim import quantize
 
 
@@ -30,7 +31,7 @@ def test_bf16_and_fp8_round_trip_within_their_relative_precision():
   x = blocks_of_mixed_scale(seed=1)
   bf16 = np.asarray(quantize.roundtrip(jnp.asarray(x), "bf16"))
   assert np.all(np.abs(bf16 - x) <= 2.0 ** -8 * np.abs(x))
-  scale = quantize.fp8_scale(jnp.max(jnp.abs(x)))
+  scale = wire.fp8.shared_scale(jnp.max(jnp.abs(x)))
   fp8 = np.asarray(quantize.roundtrip(jnp.asarray(x), "fp8", scale=scale))
   s = float(scale)
   assert np.all(np.abs(fp8 - x) <= 2.0 ** -4 * np.abs(x) + s * 2.0 ** -10)
@@ -40,9 +41,9 @@ def test_bf16_and_fp8_round_trip_within_their_relative_precision():
 
 def test_int4_packing_is_lossless_on_representable_values():
   q = jnp.asarray(np.random.default_rng(2).integers(-8, 8, size=(3, 512)), jnp.int8)
-  packed = quantize.pack_int4(q)
+  packed = wire.int4.pack(q)
   assert packed.dtype == jnp.uint8 and packed.shape == (3, 256)
-  np.testing.assert_array_equal(np.asarray(quantize.unpack_int4(packed)), np.asarray(q))
+  np.testing.assert_array_equal(np.asarray(wire.int4.unpack(packed)), np.asarray(q))
   # values on the grid of their block's scale come back exactly
   scale = np.float32(0.25)
   x = np.asarray(q, np.float32).clip(-7, 7) * scale
@@ -56,13 +57,13 @@ def test_int4_packing_is_lossless_on_representable_values():
                                                ("int4", jnp.uint8, 512)])
 def test_payloads_are_as_narrow_as_their_format(fmt, dtype, nbytes):
   x = jnp.asarray(blocks_of_mixed_scale((1, 1024)))
-  payload, scales = quantize.encode(x, fmt, 256, quantize.fp8_scale(jnp.max(jnp.abs(x))))
+  payload, scales = quantize.encode(x, fmt, 256, wire.fp8.shared_scale(jnp.max(jnp.abs(x))))
   assert payload.dtype == dtype and payload.size * payload.dtype.itemsize == nbytes
   assert (scales is not None and scales.size == 4) == (fmt in ("int8", "int4"))
 
 
 def test_zero_blocks_and_zero_arrays_stay_zero():
   x = jnp.zeros((2, 512))
-  for fmt in quantize.FORMATS:
-    got = quantize.roundtrip(x, fmt, 256, quantize.fp8_scale(jnp.float32(0)))
+  for fmt in wire.FORMATS:
+    got = quantize.roundtrip(x, fmt, 256, wire.fp8.shared_scale(jnp.float32(0)))
     assert not np.any(np.asarray(got)) and np.all(np.isfinite(np.asarray(got)))

@@ -1,6 +1,7 @@
-"""Pallas kernel of error feedback + quantization: each program reads rows of g and e once and writes the
-payload, the scales and the new error (three XLA passes and two float32 temporaries otherwise). A row is one
-quantization block for int8/int4; the arithmetic is reference.encode, op for op, so the bits are the same."""
+"""Pallas kernel of error feedback + quantization: each program reads rows of g and e once and
+writes the payload, the scales and the new error (three XLA passes and two float32 temporaries
+otherwise). A row is one quantization block for block-scaled formats; the arithmetic is the wire
+format's (reference.encode), op for op, so the bits are the same."""
 
 import functools
 
@@ -8,27 +9,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxtrain import wire
 from jaxtrain.kernels import manual
 from jaxtrain.kernels.quantize import reference
-
-PAYLOAD_DTYPE = {"f32": jnp.float32, "bf16": jnp.uint16, "fp8": jnp.uint8, "int8": jnp.uint8, "int4": jnp.uint8}
+from jaxtrain.wire import blocks, int4
 
 
 def _kernel(*refs, fmt: str, has_error: bool):
+  spec = wire.FORMATS[fmt]
   refs = list(refs)
   g_ref = refs.pop(0)
   e_ref = refs.pop(0) if has_error else None
-  scale_ref = refs.pop(0) if fmt == "fp8" else None
+  scale_ref = refs.pop(0) if spec.shared_scale is not None else None
   payload_ref = refs.pop(0)
-  scales_ref = refs.pop(0) if fmt in reference.QMAX else None
+  scales_ref = refs.pop(0) if spec.block_scaled else None
   new_error_ref = refs.pop(0)
   if fmt == "int4":
     return _int4(g_ref, e_ref, payload_ref, scales_ref, new_error_ref)
   x = g_ref[...].astype(jnp.float32)
   if has_error:
     x = x + e_ref[...]
-  payload, scales, decoded = reference.encode(x, fmt, None if scale_ref is None else scale_ref[0, 0],
-                                             rounding=reference.round_half_even)
+  scale = None if scale_ref is None else scale_ref[0, 0]
+  payload, scales, decoded = reference.encode(x, fmt, scale, rounding=reference.round_half_even)
   payload_ref[...] = payload
   if scales_ref is not None:
     scales_ref[...] = scales[:, None]
@@ -36,52 +38,51 @@ def _kernel(*refs, fmt: str, has_error: bool):
 
 
 def _int4(g_ref, e_ref, payload_ref, scales_ref, new_error_ref):
-  """reference.encode's int4, op for op, on the even and the odd columns as two strided loads: Pallas's
-  Triton lowering cannot slice the [rows, C/2, 2] pairs that pack_int4 packs."""
+  """wire.int4's arithmetic, op for op, on the even and the odd columns as two strided loads:
+  Pallas's Triton lowering cannot slice the [rows, C/2, 2] pairs that int4.pack packs."""
   half = g_ref.shape[1] // 2
   cols = (pl.ds(0, half, stride=2), pl.ds(1, half, stride=2))
   xs = [g_ref[:, c].astype(jnp.float32) for c in cols]
   if e_ref is not None:
     xs = [x + e_ref[:, c] for x, c in zip(xs, cols)]
-  qmax = reference.QMAX["int4"]
   absmax = jnp.maximum(jnp.max(jnp.abs(xs[0]), axis=-1), jnp.max(jnp.abs(xs[1]), axis=-1))
-  scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
-  qs = [jnp.clip(reference.round_half_even(x / scales[:, None]), -qmax, qmax).astype(jnp.int8) for x in xs]
-  low, high = [(q.astype(jnp.int32) + 8).astype(jnp.uint8) for q in qs]
-  payload_ref[...] = low | (high << 4)
+  scales = blocks.scales(absmax, int4.QMAX)
+  qs = [blocks.levels(x, scales, int4.QMAX, reference.round_half_even) for x in xs]
+  payload_ref[...] = int4.join(*qs)
   scales_ref[...] = scales[:, None]
   for c, x, q in zip(cols, xs, qs):
-    new_error_ref[:, c] = x - q.astype(jnp.float32) * scales[:, None]
+    new_error_ref[:, c] = x - blocks.dequantize(q, scales)
 
 
 def quantize_rows(g_RC, e_RC, fmt: str, scale, rows_per_program: int, interpret: bool):
-  """g, e [R, C] (e None = no feedback; int8/int4: C is the block) -> (payload [R, C or C/2], scales [R] or
-  None, new error [R, C] float32)."""
+  """g, e [R, C] (e None = no feedback; block-scaled: C is the block) -> (payload [R, C or C/2],
+  scales [R] / the shared scale / None, new error [R, C] float32)."""
+  spec = wire.FORMATS[fmt]
   r, c = g_RC.shape
   br = min(rows_per_program, r)
   row_spec = lambda cols: pl.BlockSpec((br, cols), lambda i: (i, 0))
-  pc = c // 2 if fmt == "int4" else c
+  pc = spec.payload_size(c)
   args, in_specs = [g_RC], [row_spec(c)]
   if e_RC is not None:
     args.append(e_RC)
     in_specs.append(row_spec(c))
-  if fmt == "fp8":
+  if spec.shared_scale is not None:
     args.append(jnp.asarray(scale, jnp.float32).reshape(1, 1))
     in_specs.append(pl.BlockSpec((1, 1), lambda i: (0, 0)))
-  out_shape = [manual.like((r, pc), PAYLOAD_DTYPE[fmt], g_RC)]  # inside shard_map: varies as g
+  out_shape = [manual.like((r, pc), spec.payload, g_RC)]  # inside shard_map: varies as g
   out_specs = [row_spec(pc)]
-  if fmt in reference.QMAX:
+  if spec.block_scaled:
     out_shape.append(manual.like((r, 1), jnp.float32, g_RC))
     out_specs.append(row_spec(1))
   out_shape.append(manual.like((r, c), jnp.float32, g_RC))
   out_specs.append(row_spec(c))
   outs = pl.pallas_call(
       functools.partial(_kernel, fmt=fmt, has_error=e_RC is not None),
-      out_shape=tuple(out_shape), grid=(pl.cdiv(r, br),), in_specs=in_specs, out_specs=tuple(out_specs),
-      interpret=interpret, name=f"quantize_{fmt}_with_feedback",
-      # Triton on NVIDIA GPUs (without it jax 0.10 picks Mosaic GPU, which cannot reduce over an axis)
+      out_shape=tuple(out_shape), grid=(pl.cdiv(r, br),), in_specs=in_specs,
+      out_specs=tuple(out_specs), interpret=interpret, name=f"quantize_{fmt}_with_feedback",
+      # Triton on NVIDIA GPUs (else jax 0.10 picks Mosaic GPU, which cannot reduce over an axis)
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
   )(*args)
-  if fmt in reference.QMAX:
+  if spec.block_scaled:
     return outs[0], outs[1][:, 0], outs[2]
-  return outs[0], (scale if fmt == "fp8" else None), outs[1]
+  return outs[0], (scale if spec.shared_scale is not None else None), outs[1]

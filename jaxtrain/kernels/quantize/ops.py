@@ -1,8 +1,10 @@
-"""Error feedback + quantization in one pass: `quantize_with_feedback` picks the XLA reference or the Pallas
-kernel (interpreted on CPU). Not differentiated: it runs on gradients inside the optimizer."""
+"""Error feedback + quantization in one pass: `quantize_with_feedback` picks the XLA reference or
+the Pallas kernel (interpreted on CPU). Not differentiated: it runs on gradients inside the
+optimizer."""
 
 import jax
 
+from jaxtrain import wire
 from jaxtrain.kernels.quantize import kernel, reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -10,25 +12,31 @@ IMPLEMENTATIONS = ("xla", "pallas")
 
 def quantize_with_feedback(g, error, fmt: str, block: int = 256, scale=None, *, impl: str = "xla",
                            rows_per_program: int = 8, interpret: bool | None = None):
-  """(payload, scales, new error) of g + error in `fmt`, as reference.quantize_with_feedback (same bits)."""
-  if fmt not in reference.FORMATS:
-    raise ValueError(f"quantize_with_feedback: unknown format {fmt!r}; choose one of {', '.join(reference.FORMATS)}")
+  """(payload, scales, new error) of g + error in `fmt` (wire.FORMATS), as
+  reference.quantize_with_feedback (same bits)."""
+  if fmt not in wire.FORMATS:
+    raise ValueError(f"quantize_with_feedback: unknown format {fmt!r}; choose one of "
+                     f"{', '.join(wire.FORMATS)}")
   if impl == "xla":
     return reference.quantize_with_feedback(g, error, fmt, block, scale)
   if impl != "pallas":
     raise ValueError(f"quantize_with_feedback: unknown implementation {impl!r}; choose one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
+  spec = wire.FORMATS[fmt]
+  if not spec.pallas:
+    raise ValueError(f"quantize_with_feedback: format {fmt} has no Pallas kernel; use impl=xla")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   shape = g.shape
-  if fmt in reference.QMAX and shape[-1] % block:
-    raise ValueError(f"quantize_with_feedback: {fmt} needs a last axis that is a multiple of block={block}, "
-                     f"got {shape[-1]}")
-  cols = block if g.size % block == 0 else shape[-1]  # rows of one block where they fit, else of the last axis
+  if spec.block_scaled and shape[-1] % block:
+    raise ValueError(f"quantize_with_feedback: {fmt} needs a last axis that is a multiple of "
+                     f"block={block}, got {shape[-1]}")
+  # rows of one block where they fit, else of the last axis
+  cols = block if g.size % block == 0 else shape[-1]
   e = None if error is None else error.reshape(-1, cols)
-  payload, scales, new_error = kernel.quantize_rows(g.reshape(-1, cols), e, fmt, scale, rows_per_program,
-                                                    interpret)
-  payload = payload.reshape(*shape[:-1], shape[-1] // 2 if fmt == "int4" else shape[-1])
-  if fmt in reference.QMAX:
+  payload, scales, new_error = kernel.quantize_rows(g.reshape(-1, cols), e, fmt, scale,
+                                                    rows_per_program, interpret)
+  payload = payload.reshape(*shape[:-1], spec.payload_size(shape[-1]))
+  if spec.block_scaled:
     scales = scales.reshape(*shape[:-1], shape[-1] // block)
   return payload, scales, new_error.reshape(shape)
