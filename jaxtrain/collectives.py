@@ -1,6 +1,6 @@
 """Collectives with explicit mesh-axis names: the one module that opens `jax.shard_map` and calls
-all-to-all, psum and friends. The model (MoE dispatch) and the optimizer (explicit gradient reduction)
-use these helpers; they never open shard_map themselves.
+all-to-all, psum and friends. The model (MoE dispatch) and the optimizer (explicit gradient
+reduction) use these helpers; they never open shard_map themselves.
 
 Everything here works on the *abstract* mesh of the current context (`jax.set_mesh`), so it runs
 the same under jit, inside another shard_map (axes already manual are left alone) and on one device.
@@ -23,8 +23,8 @@ def axis_size(name: str) -> int:
 
 
 def mesh_axes(logical: str) -> tuple[str, ...]:
-  """Mesh axes that logical axis `logical` maps to under the active rules, leaving out axes of size 1
-  and axes already manual: the axes a shard_map over `logical` would make manual."""
+  """Mesh axes that logical axis `logical` maps to under the active rules, leaving out axes of size
+  1 and axes already manual: the axes a shard_map over `logical` would make manual."""
   spec = nn.logical_to_mesh_axes((logical,))[0]
   names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
   manual = manual_axes()
@@ -32,8 +32,9 @@ def mesh_axes(logical: str) -> tuple[str, ...]:
 
 
 def logical_spec(names) -> P:
-  """The PartitionSpec of an array with logical axis `names` under the active rules, with only the mesh axes of
-  size > 1 that are not already manual: the in/out spec of a shard_map manual over all of them."""
+  """The PartitionSpec of an array with logical axis `names` under the active rules, with only the
+  mesh axes of size > 1 that are not already manual: the in/out spec of a shard_map manual over all
+  of them."""
   manual = manual_axes()
   def keep(spec):
     names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
@@ -55,13 +56,13 @@ def constrain(x, names):
 
 def shard_map(fn, axes: tuple[str, ...], in_specs, out_specs):
   """`fn` manual over mesh `axes` of the current mesh; every other axis stays automatic (GSPMD)."""
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(axes), in_specs=in_specs,
-                       out_specs=out_specs)
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(axes),
+                       in_specs=in_specs, out_specs=out_specs)
 
 
 def all_to_all(x, axis: str, dim: int):
-  """Along dimension `dim` of size X (the size of mesh axis `axis`): slice i goes to shard i, and what
-  arrives from shard i lands in slice i."""
+  """Along dimension `dim` of size X (the size of mesh axis `axis`): slice i goes to shard i, and
+  what arrives from shard i lands in slice i."""
   return jax.lax.all_to_all(x, axis, dim, dim)
 
 
@@ -71,13 +72,14 @@ def psum(tree, axes: tuple[str, ...]):
 
 
 def vary(tree, axes: tuple[str, ...]):
-  """Marks a replicated value as varying over manual `axes`, so that its cotangent is summed over them
-  where it is cast (in the value's dtype) rather than later."""
+  """Marks a replicated value as varying over manual `axes`, so that its cotangent is summed over
+  them where it is cast (in the value's dtype) rather than later."""
   return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree) if axes else tree
 
 
 def all_gather(x, axis: str):
-  """Every shard's `x` concatenated along dimension 0, the same on every shard of `axis` (invariant)."""
+  """Every shard's `x` concatenated along dimension 0, the same on every shard of `axis`
+  (invariant)."""
   try:
     return jax.lax.all_gather(x, axis, tiled=True, to="invarying")  # jax 0.10
   except (TypeError, ValueError):  # a jax whose all_gather has no such `to`
@@ -98,6 +100,7 @@ def axis_index(axis: str):
 
 
 def all_gather_along(x, axes: tuple[str, ...], dim: int):
-  """Every shard's `x` concatenated along dimension `dim` over mesh `axes`. The result stays varying, so its
-  cotangent is reduce-scattered back to the shards (an invariant one would be all-reduced, then sliced)."""
+  """Every shard's `x` concatenated along dimension `dim` over mesh `axes`. The result stays
+  varying, so its cotangent is reduce-scattered back to the shards (an invariant one would be
+  all-reduced, then sliced)."""
   return jax.lax.all_gather(x, axes, axis=dim, tiled=True)

@@ -24,8 +24,8 @@ PEAK_FLOPS = {
 }
 
 
-def train_flops_per_token(n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size, seq_len,
-                          mlp_params=None):
+def train_flops_per_token(n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff, vocab_size,
+                          seq_len, mlp_params=None):
   """Matmul FLOPs of forward + backward per token: 6 * (matmul params) + attention.
 
   `mlp_params`: the feed-forward matmul parameters one token goes through, all layers (MoE: the
@@ -41,9 +41,9 @@ def train_flops_per_token(n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff
 
 
 def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> float:
-  """FLOP/s of a large square matmul on the default device: the CPU's practical peak, from the fastest of
-  `repeats` runs (a peak: other processes on a shared host only ever slow a run down; a median measured
-  under load made the MFU of a later, quieter step exceed 1)."""
+  """FLOP/s of a large square matmul on the default device: the CPU's practical peak, from the
+  fastest of `repeats` runs (a peak: other processes on a shared host only ever slow a run down; a
+  median measured under load made the MFU of a later, quieter step exceed 1)."""
   a = jnp.ones((n, n), dtype)
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
@@ -114,9 +114,9 @@ def _last_byte(path: str) -> bytes:
 
 
 def read_metrics(workdir: str, as_frame: bool | None = False):
-  """The rows of DIR/metrics.jsonl (a line cut short by a killed run is skipped) as a list of dicts; with
-  `as_frame` a pandas DataFrame (a row per line, a column per key, `step` first), with None one when
-  pandas is installed (`jaxtrain.read_metrics`)."""
+  """The rows of DIR/metrics.jsonl (a line cut short by a killed run is skipped) as a list of dicts;
+  with `as_frame` a pandas DataFrame (a row per line, a column per key, `step` first), with None one
+  when pandas is installed (`jaxtrain.read_metrics`)."""
   rows = []
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:

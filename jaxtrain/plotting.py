@@ -1,5 +1,6 @@
-"""Training curves with matplotlib: `jaxtrain.plot(workdir)` in a notebook; tools/plot_metrics.py draws the same
-panels (`draw_panel`) into a PNG. A reader of metrics.jsonl like the tools: it imports only jaxtrain.metrics."""
+"""Training curves with matplotlib: `jaxtrain.plot(workdir)` in a notebook; tools/plot_metrics.py
+draws the same panels (`draw_panel`) into a PNG. A reader of metrics.jsonl like the tools: it
+imports only jaxtrain.metrics."""
 
 import dataclasses
 import os
@@ -51,16 +52,18 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot(workdirs, keys=("loss", "eval_loss"), ax=None):
-  """Draws `keys` against step, a panel per key and a line per run (`workdirs`: one workdir or several), the
-  entropy floor dashed where the data logs one. `ax`: an Axes per key (one Axes for one key); by default a
-  new pyplot figure (shown inline in a notebook). Returns the Figure."""
+  """Draws `keys` against step, a panel per key and a line per run (`workdirs`: one workdir or
+  several), the entropy floor dashed where the data logs one. `ax`: an Axes per key (one Axes for
+  one key); by default a new pyplot figure (shown inline in a notebook). Returns the Figure."""
   workdirs = [workdirs] if isinstance(workdirs, (str, os.PathLike)) else list(workdirs)
   keys = (keys,) if isinstance(keys, str) else tuple(keys)
   names = [os.path.basename(os.path.normpath(w)) for w in workdirs]
-  runs = [curves(w, n if names.count(n) == 1 else os.path.normpath(w)) for w, n in zip(workdirs, names)]
+  runs = [curves(w, n if names.count(n) == 1 else os.path.normpath(w))
+          for w, n in zip(workdirs, names)]
   if ax is None:
     import matplotlib.pyplot as plt
-    axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False, layout="constrained")[1][0]
+    axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False,
+                        layout="constrained")[1][0]
   else:
     axes = list(ax) if hasattr(ax, "__len__") else [ax]
     if len(axes) != len(keys):
@@ -72,8 +75,8 @@ def plot(workdirs, keys=("loss", "eval_loss"), ax=None):
 
 
 def draw_panel(ax, runs, key: str, title: str, floor: str | None):
-  """`key` against step, a line per run labelled by its name, then the floors (draw_floors). A run is anything
-  with `name`, `rows` and `timed` (Curves, tools/runs.py's Run)."""
+  """`key` against step, a line per run labelled by its name, then the floors (draw_floors). A run
+  is anything with `name`, `rows` and `timed` (Curves, tools/runs.py's Run)."""
   from matplotlib.ticker import MaxNLocator, PercentFormatter
   drawn = []
   for run in runs:
@@ -96,8 +99,8 @@ def draw_panel(ax, runs, key: str, title: str, floor: str | None):
 
 
 def draw_floors(ax, drawn: list[tuple], floor: str):
-  """A dashed line per distinct floor value (the last logged): in its run's colour when one run has it,
-  grey when several share it (a sweep over one data config)."""
+  """A dashed line per distinct floor value (the last logged): in its run's colour when one run has
+  it, grey when several share it (a sweep over one data config)."""
   by_value = {}
   for run, color in drawn:
     values = series(run.rows, floor)[1]
@@ -107,4 +110,5 @@ def draw_floors(ax, drawn: list[tuple], floor: str):
     names = [name for name, _ in owners]
     label = f"{names[0]} floor" if len(owners) == 1 else f"floor of {', '.join(names)}"
     label = "floor of all runs" if len(owners) == len(drawn) > 1 else label
-    ax.axhline(value, color=owners[0][1] if len(owners) == 1 else "grey", linestyle="--", linewidth=1, label=label)
+    ax.axhline(value, color=owners[0][1] if len(owners) == 1 else "grey", linestyle="--",
+               linewidth=1, label=label)

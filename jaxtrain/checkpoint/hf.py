@@ -1,23 +1,25 @@
-"""Hugging Face Llama and Mixtral checkpoints (config.json + safetensors) to and from jaxtrain parameters.
+"""Hugging Face Llama and Mixtral checkpoints (config.json + safetensors) to and from jaxtrain
+parameters.
 
-Both directions stream: import fills one leaf at a time (a stacked [N, ...] leaf layer by layer)
-by copying each HF tensor's bytes, a block of rows at a time, from the file into a view of the leaf
-in HF's layout; export writes each tensor, a block at a time, from such a view into its shard.
-So host memory holds one leaf and one block: no whole temporary copy, and no memory-mapped file
+Both directions stream: import fills one leaf at a time (a stacked [N, ...] leaf layer by layer) by
+copying each HF tensor's bytes, a block of rows at a time, from the file into a view of the leaf in
+HF's layout; export writes each tensor, a block at a time, from such a view into its shard. So host
+memory holds one leaf and one block: no whole temporary copy, and no memory-mapped file
 (`safetensors.safe_open` maps it, and every page read then counts in the process's resident memory).
 HF Llama's and Mixtral's q/k weights already use the half-split (rotate_half) rope layout of
 `layers.rope`, so no permutation is needed. Rope scaling (`rope_scaling`, or transformers 5's
-`rope_parameters`) of type linear, llama3 or yarn maps onto ModelConfig's rope_* keys (hf_rope.py); export
-writes it back as `rope_scaling`, which transformers 4 and 5 read. Other types (dynamic, longrope, ...) are refused.
+`rope_parameters`) of type linear, llama3 or yarn maps onto ModelConfig's rope_* keys (hf_rope.py);
+export writes it back as `rope_scaling`, which transformers 4 and 5 read. Other types (dynamic,
+longrope, ...) are refused.
 
 Layouts (HF weights are [out, in]; ours are [in, ...out]): every matrix except the embedding maps
 as `ours = hf.T.reshape(ours_shape)`, e.g. q_proj [H*K, D] -> q [D, H, K], o_proj [D, H*K] ->
 o [H, K, D], down_proj [D, F] -> down [F, D], lm_head [V, D] -> unembed [D, V].
 
-Mixtral: the router gate.weight [E, D] -> moe/router [D, E]; expert j's w1 (gate), w3 (up) [F, D] and
-w2 (down) [D, F] -> moe/gate[j], moe/up[j] [D, F] and moe/down[j] [F, D]. Hub checkpoints and the
-default `save_pretrained` of transformers 5 store experts that way, under `block_sparse_moe.`; its
-modules (and `save_pretrained(save_original_format=False)`) fuse them under `mlp.`:
+Mixtral: the router gate.weight [E, D] -> moe/router [D, E]; expert j's w1 (gate), w3 (up) [F, D]
+and w2 (down) [D, F] -> moe/gate[j], moe/up[j] [D, F] and moe/down[j] [F, D]. Hub checkpoints and
+the default `save_pretrained` of transformers 5 store experts that way, under `block_sparse_moe.`;
+its modules (and `save_pretrained(save_original_format=False)`) fuse them under `mlp.`:
 experts.gate_up_proj [E, 2F, D] (gate rows first) and experts.down_proj [E, D, F]. Import reads
 either; export writes the per-expert hub layout, which every transformers version loads.
 """
@@ -34,7 +36,8 @@ import numpy as np
 
 from jaxtrain import config as config_lib
 from jaxtrain.checkpoint import safetensors_io as sio
-from jaxtrain.checkpoint.hf_rope import check_rope, rope_dict, rope_scaling_from_hf, rope_scaling_to_hf
+from jaxtrain.checkpoint.hf_rope import (check_rope, rope_dict, rope_scaling_from_hf,
+                                         rope_scaling_to_hf)
 from jaxtrain.model.transformer import ModelConfig, Transformer
 
 # HF name suffix inside model.layers.{i}. -> our path under params["layers"].
@@ -48,7 +51,8 @@ LAYER_TENSORS = {
 }
 DENSE_TENSORS = {"mlp.gate_proj.weight": ("mlp", "gate"), "mlp.up_proj.weight": ("mlp", "up"),
                  "mlp.down_proj.weight": ("mlp", "down")}
-# Mixtral expert weight of model.layers.{i}.{prefix}.experts.{j}. -> our leaf under params["layers"]["moe"]
+# Mixtral expert weight of model.layers.{i}.{prefix}.experts.{j}. -> our leaf under
+# params["layers"]["moe"]
 EXPERT_TENSORS = {"w1.weight": "gate", "w3.weight": "up", "w2.weight": "down"}
 FUSED = ("experts.gate_up_proj", "experts.down_proj")  # transformers 5's [E, 2F, D] and [E, D, F]
 # What Mixtral's MoE block is in ModelConfig terms (its softmax-top-k-renormalize routing is our
@@ -56,29 +60,35 @@ FUSED = ("experts.gate_up_proj", "experts.down_proj")  # transformers 5's [E, 2F
 MIXTRAL_MOE = {"router": "softmax", "renormalize": True, "route_scale": 1.0, "n_shared_experts": 0,
                "moe_first_dense": 0, "moe_every": 1, "bias_update_rate": 0.0}
 # config.json values that transformers assumes for absent keys (LlamaConfig / MixtralConfig)
-HF_DEFAULTS = {"llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-               "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-                           "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
-                           "router_aux_loss_coef": 0.001}}
+HF_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.001}
+}
 # The fields config_from_hf reads, with the type each must have: (key, check, what it must be).
-REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size")
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts",
                  "num_experts_per_tok", "sliding_window", "original_max_position_embeddings")
-FIELD_TYPES = (
-    [(key, lambda v: type(v) is int and v > 0, "a positive integer") for key in REQUIRED_INTS + OPTIONAL_INTS]
-    + [(key, lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0, "a finite number >= 0")
-       for key in ("rope_theta", "rms_norm_eps", "router_aux_loss_coef")]
-    + [(key, lambda v: type(v) is bool, "true or false")
-       for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")]
-    + [(key, lambda v: isinstance(v, dict), "an object") for key in ("rope_scaling", "rope_parameters")]
-    + [("hidden_act", lambda v: isinstance(v, str), "a string")])
+FIELD_TYPES = ([(key, lambda v: type(v) is int and v > 0, "a positive integer")
+                for key in REQUIRED_INTS + OPTIONAL_INTS] +
+               [(key, lambda v: type(v) in
+                 (int, float) and math.isfinite(v) and v >= 0, "a finite number >= 0")
+                for key in ("rope_theta", "rms_norm_eps", "router_aux_loss_coef")] +
+               [(key, lambda v: type(v) is bool, "true or false")
+                for key in ("tie_word_embeddings", "attention_bias", "mlp_bias")] +
+               [(key, lambda v: isinstance(v, dict), "an object")
+                for key in ("rope_scaling", "rope_parameters")] +
+               [("hidden_act", lambda v: isinstance(v, str), "a string")])
 EMBED = "model.embed_tokens.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-  """A ModelConfig from a LlamaConfig or MixtralConfig dict; refuses (check_architecture) what our model
-  does not implement. Mixtral's router_jitter_noise and attention_dropout act only in training: ignored."""
+  """A ModelConfig from a LlamaConfig or MixtralConfig dict; refuses (check_architecture) what our
+  model does not implement. Mixtral's router_jitter_noise and attention_dropout act only in
+  training: ignored."""
   check_architecture(hf)
   defaults = HF_DEFAULTS[hf["model_type"]]
   get = lambda key: hf[key] if hf.get(key) is not None else defaults.get(key)  # noqa: E731
@@ -104,19 +114,21 @@ def config_from_hf(hf: dict) -> ModelConfig:
   e, k = get("num_local_experts"), get("num_experts_per_tok")
   if not 1 <= k <= e:
     raise ValueError(f"num_experts_per_tok={k} must be in [1, num_local_experts={e}]")
-  # HF's load-balancing loss counts a token's k assignments against 1 (ours against k): k times ours.
+  # HF's load-balancing loss counts a token's k assignments against 1 (ours against k): k times
+  # ours.
   return dataclasses.replace(cfg, n_experts=e, top_k=k, d_ff_expert=cfg.d_ff, dispatch="dropless",
                              aux_loss_weight=k * float(get("router_aux_loss_coef")), **MIXTRAL_MOE)
 
 
 def check_architecture(hf) -> None:
-  """ValueError (one line, naming it) for the first setting of a HF config.json that jaxtrain does not
-  compute as transformers does: another model_type (Granite has Llama's tensors and other math),
+  """ValueError (one line, naming it) for the first setting of a HF config.json that jaxtrain does
+  not compute as transformers does: another model_type (Granite has Llama's tensors and other math),
   rope scaling, biases, another activation, sliding windows, quantized weights, ill-typed fields."""
   if not isinstance(hf, dict):
     raise ValueError(f"config.json is not a JSON object (got {type(hf).__name__})")
   if hf.get("model_type") not in HF_DEFAULTS:
-    raise ValueError(f"model_type {hf.get('model_type')!r} is not supported ({', '.join(HF_DEFAULTS)})")
+    raise ValueError(
+        f"model_type {hf.get('model_type')!r} is not supported ({', '.join(HF_DEFAULTS)})")
   _check_types(hf)
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key):
@@ -125,16 +137,19 @@ def check_architecture(hf) -> None:
     raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
   check_rope(hf)
   if hf.get("quantization_config"):
-    raise ValueError(f"quantization_config {hf['quantization_config']} is not supported (only unquantized weights)")
+    raise ValueError(f"quantization_config {hf['quantization_config']} is not supported "
+                     "(only unquantized weights)")
   window = hf.get("sliding_window")
-  max_pos = hf.get("max_position_embeddings") or HF_DEFAULTS[hf["model_type"]]["max_position_embeddings"]
+  max_pos = (hf.get("max_position_embeddings")
+             or HF_DEFAULTS[hf["model_type"]]["max_position_embeddings"])
   if window is not None and window < max_pos:  # transformers masks keys more than window - 1 back
     raise ValueError(f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
                      "attention is not supported")
   heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
   if not hf.get("head_dim") and hf["hidden_size"] % heads:
-    raise ValueError(f"hidden_size={hf['hidden_size']} is not a multiple of num_attention_heads={heads} "
-                     "(and there is no head_dim)")
+    raise ValueError(
+        f"hidden_size={hf['hidden_size']} is not a multiple of num_attention_heads={heads} "
+        "(and there is no head_dim)")
   if heads % kv:
     raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
 
@@ -174,7 +189,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
   }
   if not cfg.n_experts:
     return out
-  bad = [f"{key}={getattr(cfg, key)!r}" for key, want in MIXTRAL_MOE.items() if getattr(cfg, key) != want]
+  bad = [f"{key}={getattr(cfg, key)!r}" for key, want in MIXTRAL_MOE.items()
+         if getattr(cfg, key) != want]
   if bad:
     need = ", ".join(f"{key}={want!r}" for key, want in MIXTRAL_MOE.items())
     raise ValueError(f"a Mixtral checkpoint cannot express {', '.join(bad)} (it needs {need})")
@@ -184,7 +200,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
           "intermediate_size": cfg.expert_d_ff, "num_local_experts": cfg.n_experts,
           "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.aux_loss_weight / cfg.top_k,
           "router_jitter_noise": 0.0, "sliding_window": None,
-          "rope_parameters": {"rope_type": "default", **(rope_scaling_to_hf(cfg) or {}), "rope_theta": cfg.rope_theta}}
+          "rope_parameters": {"rope_type": "default", **(rope_scaling_to_hf(cfg) or {}),
+                              "rope_theta": cfg.rope_theta}}
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -196,25 +213,30 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 def leaf_plan(cfg: ModelConfig, moe_prefix: str = "block_sparse_moe", fused: bool = False):
   """(our path, leaf shape, [(hf name, index, half), ...]) for every parameter leaf, in order. Each
-  HF tensor fills leaf[index]: a stacked [layers, ...] leaf takes one per layer, a Mixtral expert leaf
-  [layers, E, ...] one per layer and expert (or one fused per layer, whose gate or up rows `half`
-  0 or 1 picks). `moe_prefix` and `fused` choose the Mixtral layout (see the module docstring)."""
+  HF tensor fills leaf[index]: a stacked [layers, ...] leaf takes one per layer, a Mixtral expert
+  leaf [layers, E, ...] one per layer and expert (or one fused per layer, whose gate or up rows
+  `half` 0 or 1 picks). `moe_prefix` and `fused` choose the Mixtral layout (see the module
+  docstring)."""
   shapes, layers = param_shapes(cfg), range(cfg.n_layers)
-  stacked = lambda path, sources: (("layers",) + path, get_at(shapes["layers"], path), sources)  # noqa: E731
-  per_layer = {**LAYER_TENSORS,
-               **({f"{moe_prefix}.gate.weight": ("moe", "router")} if cfg.n_experts else DENSE_TENSORS)}
+  stacked = lambda path, sources: (("layers",) + path, get_at(shapes["layers"], path),  # noqa: E731
+                                   sources)
+  per_layer = {
+      **LAYER_TENSORS,
+      **({f"{moe_prefix}.gate.weight": ("moe", "router")} if cfg.n_experts else DENSE_TENSORS)
+  }
   plan = [(("embed",), shapes["embed"], [(EMBED, (), None)])]
   plan += [stacked(path, [(f"model.layers.{i}.{suffix}", (i,), None) for i in layers])
            for suffix, path in per_layer.items()]
   for suffix, ours in EXPERT_TENSORS.items() if cfg.n_experts else ():
     if fused:
-      sources = [(f"model.layers.{i}.{moe_prefix}.{FUSED[ours == 'down']}", (i,), {"gate": 0, "up": 1}.get(ours))
-                 for i in layers]
+      sources = [(f"model.layers.{i}.{moe_prefix}.{FUSED[ours == 'down']}", (i,),
+                  {"gate": 0, "up": 1}.get(ours)) for i in layers]
     else:
       sources = [(f"model.layers.{i}.{moe_prefix}.experts.{j}.{suffix}", (i, j), None)
                  for i in layers for j in range(cfg.n_experts)]
     plan.append(stacked(("moe", ours), sources))
-  plan.append((("final_norm", "scale"), shapes["final_norm"]["scale"], [("model.norm.weight", (), None)]))
+  plan.append(
+      (("final_norm", "scale"), shapes["final_norm"]["scale"], [("model.norm.weight", (), None)]))
   if not cfg.tie_embeddings:
     plan.append((("unembed",), shapes["unembed"], [("lm_head.weight", (), None)]))
   return plan
@@ -228,8 +250,9 @@ def moe_layout(index: dict) -> dict:
 
 
 def hf_shape(name: str, shape) -> tuple:
-  """HF's [out, in] shape for our tensor `name` of `shape` (embedding and norms keep theirs); a fused
-  expert tensor is [E, out, in], gate_up_proj with 2F rows (gate, then up) for our [E, D, F]."""
+  """HF's [out, in] shape for our tensor `name` of `shape` (embedding and norms keep theirs); a
+  fused expert tensor is [E, out, in], gate_up_proj with 2F rows (gate, then up) for our [E, D,
+  F]."""
   if name.endswith(FUSED):
     e, n_in, n_out = shape
     return (e, 2 * n_out if name.endswith(FUSED[0]) else n_out, n_in)
@@ -249,12 +272,13 @@ def to_hf(name: str, w):
 
 def is_hf_dir(path: str) -> bool:
   """A directory with config.json and *.safetensors (a jaxtrain workdir has no safetensors)."""
-  return os.path.isfile(os.path.join(path, "config.json")) and bool(glob.glob(os.path.join(path, "*.safetensors")))
+  return (os.path.isfile(os.path.join(path, "config.json"))
+          and bool(glob.glob(os.path.join(path, "*.safetensors"))))
 
 
 def read_config(hf_dir: str) -> ModelConfig:
-  """The ModelConfig of a HF directory's config.json; ValueError (one line, naming the file) when it is
-  not JSON or not a config that jaxtrain implements."""
+  """The ModelConfig of a HF directory's config.json; ValueError (one line, naming the file) when it
+  is not JSON or not a config that jaxtrain implements."""
   path = os.path.join(hf_dir, "config.json")
   try:
     with open(path, "rb") as f:
@@ -273,10 +297,13 @@ def check_tensors(cfg: ModelConfig, index: dict, hf_dir: str) -> None:
         raise ValueError(f"{hf_dir} lacks tensor {name}")
       if index[name][2] != want:
         raise ValueError(f"{name} has shape {index[name][2]}, expected {want}")
-  used = {name for *_, sources in plan for name, *_ in sources} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+  used = {name
+          for *_, sources in plan
+          for name, *_ in sources} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
   unknown = [n for n in index if n not in used and not n.endswith(IGNORED_SUFFIXES)]
   if unknown:
-    raise ValueError(f"unexpected tensors in {hf_dir} (e.g. {unknown[:3]}); config and weights disagree")
+    raise ValueError(
+        f"unexpected tensors in {hf_dir} (e.g. {unknown[:3]}); config and weights disagree")
 
 
 def read_leaves(hf_dir: str, cfg: ModelConfig, dtype=np.float32):
@@ -293,7 +320,8 @@ def read_leaves(hf_dir: str, cfg: ModelConfig, dtype=np.float32):
 
 
 def import_hf(hf_dir: str):
-  """(ModelConfig, params) from a HF Llama or Mixtral directory; parameters come out as float32 numpy arrays."""
+  """(ModelConfig, params) from a HF Llama or Mixtral directory; parameters come out as float32
+  numpy arrays."""
   cfg = read_config(hf_dir)
   params = {}
   for path, leaf in read_leaves(hf_dir, cfg):
@@ -335,7 +363,8 @@ def write_hf(cfg: ModelConfig, out_dir: str, leaf_fn, dtype: str = "float32",
       del leaf  # else this frame would keep the leaf alive while the next one is read
 
   for fname, shard in zip(names, shards):
-    sio.write_safetensors(os.path.join(out_dir, fname), [(n, s) for n, _, _, s in shard], tensors(shard), dtype)
+    sio.write_safetensors(os.path.join(out_dir, fname), [(n, s) for n, _, _, s in shard],
+                          tensors(shard), dtype)
   held.clear()
   if len(shards) > 1:
     weight_map = {name: fname for fname, shard in zip(names, shards) for name, *_ in shard}

@@ -39,15 +39,17 @@ FORMAT = 1
 
 
 def _from_orbax(e: BaseException | None, tb) -> bool:
-  """Raised in Orbax's code, or by TensorStore writing into one of Orbax's temporary step directories."""
-  return (any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
-          or ".orbax-checkpoint-tmp" in str(e))
+  """Raised in Orbax's code, or by TensorStore writing into one of Orbax's temporary step
+  directories."""
+  return (any(f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename
+              for frame, _ in traceback.walk_tb(tb)) or ".orbax-checkpoint-tmp" in str(e))
 
 
 class _QuietOrbax(logging.Filter):
-  """Drops Orbax's log records (INFO chatter, warnings about choices made here such as a read-only manager, errors
-  that repeat with tracebacks the exceptions that Checkpoints reports in one line), and asyncio's reports of Orbax's
-  write tasks that outlive a failed save. Remove it from the "absl" and "asyncio" loggers to see them."""
+  """Drops Orbax's log records (INFO chatter, warnings about choices made here such as a read-only
+  manager, errors that repeat with tracebacks the exceptions that Checkpoints reports in one line),
+  and asyncio's reports of Orbax's write tasks that outlive a failed save. Remove it from the "absl"
+  and "asyncio" loggers to see them."""
 
   def filter(self, record) -> bool:
     if record.name == "asyncio":
@@ -59,11 +61,13 @@ QUIET_ORBAX = _QuietOrbax()
 
 
 def _quiet_unraisable(hook):
-  """`hook` (sys.unraisablehook) without the errors of Orbax's write tasks that outlive a failed save: TensorStore
-  completing a write for an event loop that Orbax closed, a task collected at exit."""
+  """`hook` (sys.unraisablehook) without the errors of Orbax's write tasks that outlive a failed
+  save: TensorStore completing a write for an event loop that Orbax closed, a task collected at
+  exit."""
   def quiet(u):
     closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
-    task = f"{os.sep}orbax{os.sep}" in getattr(getattr(u.object, "cr_code", None), "co_filename", "")
+    task = f"{os.sep}orbax{os.sep}" in getattr(getattr(u.object, "cr_code", None), "co_filename",
+                                               "")
     if not (closed or task or _from_orbax(u.exc_value, u.exc_traceback)):
       hook(u)
   quiet.quiet_orbax = True
@@ -71,7 +75,8 @@ def _quiet_unraisable(hook):
 
 
 def _quiet_orbax():
-  """Installs, once, the filters above: our one line per failed save is all the user needs to see."""
+  """Installs, once, the filters above:
+  our one line per failed save is all the user needs to see."""
   for name in ("absl", "asyncio"):  # Orbax logs through absl's logger
     if QUIET_ORBAX not in logging.getLogger(name).filters:
       logging.getLogger(name).addFilter(QUIET_ORBAX)
@@ -118,15 +123,16 @@ class DataRestore(ocp.args.CheckpointArgs):
 
 
 def _handlers(compress: bool = False, ocdbt: bool = True):
-  return {"state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_ocdbt=ocdbt), "data": DataStateHandler(),
-          "meta": ocp.JsonCheckpointHandler()}
+  return {"state": ocp.PyTreeCheckpointHandler(use_compression=compress, use_ocdbt=ocdbt),
+          "data": DataStateHandler(), "meta": ocp.JsonCheckpointHandler()}
 
 
 # ---- tiers ----
 
 @dataclasses.dataclass
 class SaveRecord:
-  """One save: blocking time on the loop, then (once Orbax finalized it) bytes and throughput, or why it failed."""
+  """One save: blocking time on the loop, then (once Orbax finalized it) bytes and throughput, or
+  why it failed."""
   tier: str
   step: int
   bytes: int
@@ -141,7 +147,8 @@ class SaveRecord:
       return {"event": "checkpoint_error", "tier": self.tier, "error": self.error}
     seconds = self.finished - self.started
     return {"event": "checkpoint_save", "tier": self.tier, "save_blocking_s": self.blocking_s,
-            "save_bytes": self.bytes, "save_total_s": seconds, "save_MBps": self.bytes / seconds / 1e6}
+            "save_bytes": self.bytes, "save_total_s": seconds,
+            "save_MBps": self.bytes / seconds / 1e6}
 
 
 def tier_dirs(k, workdir: str) -> dict[str, str]:
@@ -170,7 +177,8 @@ def _abs(directory: str) -> str:
 
 
 def _reason(e: BaseException) -> str:
-  """An exception as one line (TensorStore's carry the OS error: `... No space left on device [os_error_code=28]`)."""
+  """An exception as one line (TensorStore's carry the OS error: `... No space left on device
+  [os_error_code=28]`)."""
   return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -189,13 +197,15 @@ class Checkpoints:
       fast = name == "fast"
       adaptive = None
       if k.adaptive and (fast or "fast" not in dirs):  # the frequent tier adapts
-        adaptive = policy_lib.AdaptivePolicy(k.adaptive_min_steps, k.adaptive_max_steps, k.adaptive_spike)
+        adaptive = policy_lib.AdaptivePolicy(k.adaptive_min_steps, k.adaptive_max_steps,
+                                             k.adaptive_spike)
       decide = policy_lib.save_policy(k.fast_every_steps if fast else k.every_steps,
                                       k.fast_every_seconds if fast else k.every_seconds, adaptive)
       if decide is not None:
         decide = policy_lib.Settled(decide, lambda name=name: self._in_flight(name))
       self.tiers.append(Tier(name, _abs(directory), None, adaptive, decide))
-      self.tiers[-1].manager = self._manager(self.tiers[-1], decide, k.fast_keep if fast else k.keep,
+      self.tiers[-1].manager = self._manager(self.tiers[-1], decide,
+                                             k.fast_keep if fast else k.keep,
                                              0 if fast else k.keep_every_steps, read_only)
     self._records: list[SaveRecord] = []
     self._lock = threading.Lock()
@@ -208,9 +218,11 @@ class Checkpoints:
           r.finished = time.perf_counter()
     if read_only:
       decide = None
-    # Directories are made in the blocking part of a save: made on Orbax's background thread, a failure (a read-only
-    # or vanished directory) left the blocking part waiting 300 s for a signal that never came (orbax 0.12).
-    async_options = ocp.AsyncOptions(post_finalization_callback=finalized, create_directories_asynchronously=False)
+    # Directories are made in the blocking part of a save: made on Orbax's background thread, a
+    # failure (a read-only or vanished directory) left the blocking part waiting 300 s for a signal
+    # that never came (orbax 0.12).
+    async_options = ocp.AsyncOptions(post_finalization_callback=finalized,
+                                     create_directories_asynchronously=False)
     options = ocp.CheckpointManagerOptions(
         create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
         save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
@@ -231,13 +243,15 @@ class Checkpoints:
     return best
 
   def latest_good(self) -> int | None:
-    """The newest complete step saved while training was calm (AdaptivePolicy: no spike, no non-finite loss, no
-    skipped update before it or at the step after it); None without an adaptive tier."""
+    """The newest complete step saved while training was calm (AdaptivePolicy: no spike, no
+    non-finite loss, no skipped update before it or at the step after it); None without an adaptive
+    tier."""
     good = []
     for tier in (t for t in self.tiers if t.adaptive):
       self._settle(tier, block=False)
       in_flight = {r.step for r in self._pending(tier.name)}
-      good.append(tier.adaptive.newest_good(s for s in tier.manager.all_steps() if s not in in_flight))
+      good.append(
+          tier.adaptive.newest_good(s for s in tier.manager.all_steps() if s not in in_flight))
     return max((s for s in good if s is not None), default=None)
 
   # ---- save ----
@@ -250,7 +264,8 @@ class Checkpoints:
   def due(self, step: int) -> list[Tier]:
     return [t for t in self.tiers if t.manager.should_save(step)]
 
-  def save(self, step: int, state, data_state: dict, meta: dict, tiers: list[Tier] | None = None) -> list[str]:
+  def save(self, step: int, state, data_state: dict, meta: dict,
+           tiers: list[Tier] | None = None) -> list[str]:
     """Starts an asynchronous save of `step` on `tiers` (default: those whose policy says so);
     returns the adaptive policies' decisions that the save caused."""
     decisions = []
@@ -262,8 +277,10 @@ class Checkpoints:
     for tier in self.due(step) if tiers is None else tiers:
       start = time.perf_counter()
       self._settle(tier, block=True)  # Orbax would wait for this tier's previous save anyway
-      if tier.manager.latest_step() == step or (self._max_failed and tier.failures >= self._max_failed):
-        continue  # saved already, or failed too often: check() ends the run after its rows are written
+      if tier.manager.latest_step() == step or (self._max_failed and
+                                                tier.failures >= self._max_failed):
+        # saved already, or failed too often: check() ends the run after its rows are written
+        continue
       args = ocp.args.Composite(state=ocp.args.PyTreeSave(tree), data=DataSave(data_state),
                                 meta=ocp.args.JsonSave({"format": FORMAT, **meta}))
       record = SaveRecord(tier.name, step, nbytes, 0.0, time.perf_counter())
@@ -283,7 +300,8 @@ class Checkpoints:
     return [t for t in self.tiers if t.name == "persistent"]
 
   def finished_saves(self) -> list[SaveRecord]:
-    """The saves that ended since the last call: complete (`checkpoint_save` rows) or failed (`checkpoint_error`)."""
+    """The saves that ended since the last call: complete (`checkpoint_save` rows) or failed
+    (`checkpoint_error`)."""
     for tier in self.tiers:
       self._settle(tier, block=False)
     with self._lock:
@@ -292,18 +310,21 @@ class Checkpoints:
     return done
 
   def check(self, final: bool = False):
-    """Raises errors.SaveFailed when a tier failed `checkpoint.max_failed_saves` saves in a row or, with `final`
-    (after the final save and `wait`), when the persistent tier's last save failed."""
+    """Raises errors.SaveFailed when a tier failed `checkpoint.max_failed_saves` saves in a row or,
+    with `final` (after the final save and `wait`), when the persistent tier's last save failed."""
     for tier in self.tiers:
       last = tier.failed
       if last is not None and final and tier.name == "persistent":
-        raise errors.SaveFailed(f"the final checkpoint save at step {last.step} failed ({tier.name}): {last.error}")
+        raise errors.SaveFailed(
+            f"the final checkpoint save at step {last.step} failed ({tier.name}): {last.error}")
       if last is not None and tier.failures >= self._max_failed:
-        raise errors.SaveFailed(f"checkpoint saves to the {tier.name} tier failed {tier.failures} times in a row; "
-                                f"the last, at step {last.step}: {last.error}")
+        raise errors.SaveFailed(
+            f"checkpoint saves to the {tier.name} tier failed {tier.failures} times in a row; "
+            f"the last, at step {last.step}: {last.error}")
 
   def wait(self):
-    """Blocks until every save in flight is complete or failed (a failure is recorded, not raised)."""
+    """Blocks until every save in flight is complete or failed (a failure is recorded,
+    not raised)."""
     for tier in self.tiers:
       self._settle(tier, block=True)
 
@@ -322,7 +343,8 @@ class Checkpoints:
     return bool(self._pending(name))
 
   def _settle(self, tier: Tier, block: bool):
-    """Ends the tier's save in flight once Orbax is done with it (at once with `block`): complete, or failed."""
+    """Ends the tier's save in flight once Orbax is done with it (at once with `block`):
+    complete, or failed."""
     pending = self._pending(tier.name)
     if not pending or (not block and tier.manager.is_saving_in_progress()):
       return
@@ -344,7 +366,8 @@ class Checkpoints:
     tier.failures, tier.failed = tier.failures + 1, record
     if tier.decide is not None:
       tier.decide.failed(record.step)
-    tqdm.tqdm.write(f"checkpoint save failed at step {record.step} ({tier.name}): {record.error}", file=sys.stderr)
+    tqdm.tqdm.write(f"checkpoint save failed at step {record.step} ({tier.name}): {record.error}",
+                    file=sys.stderr)
     try:
       for partial in epath.Path(tier.directory).glob(f"{record.step}.orbax-checkpoint-tmp*"):
         partial.rmtree()
@@ -360,12 +383,13 @@ class Checkpoints:
       step, tier = self.latest()
     elif tier is None:
       tier = next(t for t in self.tiers if step in t.manager.all_steps())
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
-                          shardings)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          abstract_state, shardings)
     start = time.perf_counter()
     target = flax.serialization.to_state_dict(target)
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
-                                                               dtype=x.dtype), target)
+    restore_args = jax.tree.map(
+        lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
+        target)
     restored = tier.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(target, restore_args=restore_args), data=DataRestore(),
         meta=ocp.args.JsonRestore()))
@@ -373,8 +397,8 @@ class Checkpoints:
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    row = {"event": "checkpoint_restore", "tier": tier.name, "restore_s": seconds, "restore_bytes": nbytes,
-           "restore_MBps": nbytes / seconds / 1e6}
+    row = {"event": "checkpoint_restore", "tier": tier.name, "restore_s": seconds,
+           "restore_bytes": nbytes, "restore_MBps": nbytes / seconds / 1e6}
     return state, restored.data, restored.meta, row
 
   # ---- after a rollback ----
@@ -397,4 +421,3 @@ def remove_tiers(k, workdir: str) -> None:
         path.rmtree()
       else:
         shutil.rmtree(path)
-

@@ -39,7 +39,8 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
     self._skipped = 0
     self._calm_since_save = True
     self.good: list[int] = []
-    self._unjudged: list[int] = []  # saved after a calm stretch; good unless the next step shows a sign
+    # saved after a calm stretch; good unless the next step shows a sign
+    self._unjudged: list[int] = []
 
   def observe(self, step: int, loss: float, grad_norm: float, skipped: float) -> str | None:
     """Takes one step's global values; returns why the interval changed, or None."""
@@ -52,7 +53,8 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
       median = statistics.median(self._losses)
       reason = f"loss spike at step {step}: {loss:.4g} > {1 + self.spike:g} x median {median:.4g}"
     elif len(self._grad_norms) >= 8 and grad_norm > 3 * statistics.median(self._grad_norms):
-      reason = f"grad-norm spike at step {step}: {grad_norm:.4g} > 3 x median {statistics.median(self._grad_norms):.4g}"
+      reason = (f"grad-norm spike at step {step}: {grad_norm:.4g} > 3 x median "
+                f"{statistics.median(self._grad_norms):.4g}")
     self._skipped = skipped
     if math.isfinite(loss):
       self._losses.append(loss)
@@ -68,7 +70,8 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
     return f"interval -> {self.interval} steps ({reason})"
 
   def _judge(self, step: int, calm: bool):
-    """A sign condemns every unjudged save (the newest made the state that showed it); calm confirms those before."""
+    """A sign condemns every unjudged save (the newest made the state that showed it); calm confirms
+    those before."""
     judged = [s for s in self._unjudged if s < step] if calm else []
     self.good += judged
     self._unjudged = [s for s in self._unjudged if s >= step] if calm else []
@@ -117,7 +120,8 @@ class KeepGood(policies.PreservationPolicy):
 
   def should_preserve(self, checkpoints, *, context) -> list[bool]:
     steps = [c.step for c in checkpoints]  # all the manager holds, the step being saved included
-    self.adaptive.good = [s for s in self.adaptive.good if s >= min(steps, default=0)]  # older ones were deleted
+    # older ones were deleted
+    self.adaptive.good = [s for s in self.adaptive.good if s >= min(steps, default=0)]
     good = self.adaptive.newest_good(steps)
     return [step == good for step in steps]
 
@@ -132,9 +136,10 @@ class Attempt:
 
 @dataclasses.dataclass
 class Settled(policies.SaveDecisionPolicy):
-  """`policy`, told whether a save is in flight by `in_flight()` (Orbax's own flag stays set after a save that failed
-  in its blocking part, orbax-checkpoint 0.12, which stopped timed and adaptive saves for good), and counting the
-  interval from a failed save (`failed(step)`) as from a save: the retry comes one interval later, not every step."""
+  """`policy`, told whether a save is in flight by `in_flight()` (Orbax's own flag stays set after a
+  save that failed in its blocking part, orbax-checkpoint 0.12, which stopped timed and adaptive
+  saves for good), and counting the interval from a failed save (`failed(step)`) as from a save: the
+  retry comes one interval later, not every step."""
   policy: policies.SaveDecisionPolicy
   in_flight: Callable[[], bool]
   attempt: Attempt | None = None
@@ -144,13 +149,16 @@ class Settled(policies.SaveDecisionPolicy):
 
   def should_save(self, step, previous_steps, *, context) -> bool:
     context = dataclasses.replace(context, is_saving_in_progress=self.in_flight())
-    if self.attempt is not None and (not previous_steps or self.attempt.step > previous_steps[-1].step):
+    if self.attempt is not None and (not previous_steps or
+                                     self.attempt.step > previous_steps[-1].step):
       previous_steps = [*previous_steps, self.attempt]
     return self.policy.should_save(step, previous_steps, context=context)
 
 
-def preservation_policy(keep: int, keep_every_steps: int = 0, adaptive: AdaptivePolicy | None = None):
-  """Keep the newest `keep` steps, every step divisible by `keep_every_steps`, and the newest good step."""
+def preservation_policy(keep: int, keep_every_steps: int = 0,
+                        adaptive: AdaptivePolicy | None = None):
+  """Keep the newest `keep` steps, every step divisible by `keep_every_steps`,
+  and the newest good step."""
   kept = [policies.LatestN(keep)]
   if keep_every_steps:
     kept.append(policies.EveryNSteps(keep_every_steps))

@@ -19,19 +19,22 @@ STATE, META = "state", "meta"
 
 
 def tiers(src: str) -> list[tuple[str, str]]:
-  """(name, dir) of the checkpoint tiers of a workdir, or [("tier", src)] when src is a tier dir itself.
-  A workdir's tiers come from its config.json or, without one, from the config saved in the newest step
-  of WORKDIR/checkpoints. ConfigError (one line) when src is neither, or its config.json is unreadable."""
+  """(name, dir) of the checkpoint tiers of a workdir, or [("tier", src)] when src is a tier dir
+  itself. A workdir's tiers come from its config.json or, without one, from the config saved in the
+  newest step of WORKDIR/checkpoints. ConfigError (one line) when src is neither, or its config.json
+  is unreadable."""
   from jaxtrain.checkpoint import tier_dirs
   if not os.path.isdir(src):
     raise config_lib.ConfigError(f"{src}: no such directory")
   if hf.is_hf_dir(src):
-    raise config_lib.ConfigError(f"{src} is a Hugging Face directory; convert it with --from_hf first")
+    raise config_lib.ConfigError(
+        f"{src} is a Hugging Face directory; convert it with --from_hf first")
   if os.path.isfile(os.path.join(src, "config.json")):
     dirs = tier_dirs(_workdir_config(os.path.join(src, "config.json")).get("checkpoint", {}), src)
   elif os.path.isdir(os.path.join(src, "checkpoints")):
     saved = _newest_saved_config(os.path.join(src, "checkpoints")).get("checkpoint", {})
-    dirs = {**tier_dirs(saved, src), "persistent": os.path.join(os.path.abspath(src), "checkpoints")}
+    dirs = {**tier_dirs(saved, src),
+            "persistent": os.path.join(os.path.abspath(src), "checkpoints")}
   else:
     return [("tier", src)]
   return sorted(dirs.items(), key=lambda item: item[0] != "persistent")  # persistent first
@@ -59,13 +62,16 @@ def manager(tier: str):
   """A read-only Orbax manager over a tier, with the handlers of its items."""
   import orbax.checkpoint as ocp
   from absl import logging
-  from jaxtrain.checkpoint import DataStateHandler  # the package's own item (a training checkpoint's data)
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
+  # the package's own item (a training checkpoint's data)
+  from jaxtrain.checkpoint import DataStateHandler
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                         max_to_keep=None)
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)  # it warns that the directory is read-only, as asked
   try:
     return ocp.CheckpointManager(os.path.abspath(tier), options=options, item_handlers={
-        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler(), "data": DataStateHandler()})
+        STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
+        "data": DataStateHandler()})
   finally:
     logging.set_verbosity(verbosity)
 
@@ -124,27 +130,30 @@ def state_metadata(mngr, step: int):
 
 
 def restore_params(mngr, step: int, tree: dict, key: str = "params") -> dict:
-  """The leaves of `tree` (a subtree of the state's `key` metadata) as numpy arrays, read with partial
-  restore."""
+  """The leaves of `tree` (a subtree of the state's `key` metadata) as numpy arrays, read with
+  partial restore."""
   import jax
   import orbax.checkpoint as ocp
   item = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
   restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  args = ocp.args.PyTreeRestore(item={key: item}, restore_args={key: restore_args}, partial_restore=True)
+  args = ocp.args.PyTreeRestore(item={key: item}, restore_args={key: restore_args},
+                                partial_restore=True)
   return mngr.restore(step, args=ocp.args.Composite(**{STATE: args}))[STATE][key]
 
 
 def read_step(src: str, step: int | None = None):
-  """(config, params, extra) of a workdir's or tier's newest step (or `step`): the config saved with it,
-  its params and its non-trainable model collections (TrainState.extra, e.g. MoE expert biases; {} for a
-  converted model) as numpy. Partial restore: no optimizer state or data item is read."""
+  """(config, params, extra) of a workdir's or tier's newest step (or `step`): the config saved with
+  it, its params and its non-trainable model collections (TrainState.extra, e.g. MoE expert biases;
+  {} for a converted model) as numpy. Partial restore: no optimizer state or data item is read."""
   mngr, step = find_step(src, step)
-  return read_config(src, mngr, step), restore_params(mngr, step, params_metadata(mngr, step)), _extra(mngr, step)
+  return read_config(src, mngr, step), restore_params(mngr, step,
+                                                      params_metadata(mngr,
+                                                                      step)), _extra(mngr, step)
 
 
 def load_extra(src: str, step: int | None = None) -> dict:
-  """The non-trainable model collections of a training checkpoint's newest step (or `step`); {} when it
-  has none (a converted model)."""
+  """The non-trainable model collections of a training checkpoint's newest step (or `step`); {} when
+  it has none (a converted model)."""
   return _extra(*find_step(src, step))
 
 
@@ -162,10 +171,10 @@ def load_params(src: str, step: int | None = None):
 
 
 def load_pretrained(path: str):
-  """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or checkpoint
-  tier (its newest step's params, read with Orbax partial restore);
-  apply_fn(params, tokens_BL) -> logits_BLV. A trained MoE's expert biases (TrainState.extra) are
-  bound into apply_fn: they choose the experts."""
+  """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or
+  checkpoint tier (its newest step's params, read with Orbax partial restore); apply_fn(params,
+  tokens_BL) -> logits_BLV. A trained MoE's expert biases (TrainState.extra) are bound into
+  apply_fn: they choose the experts."""
   extra = {}
   if hf.is_hf_dir(path):
     cfg, params = hf.import_hf(path)

@@ -15,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 SAFETENSORS_DTYPES = {"float32": ("F32", "<f4"), "bfloat16": ("BF16", jnp.bfloat16)}
-READ_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(jnp.bfloat16)}
+READ_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+               "BF16": np.dtype(jnp.bfloat16)}
 BLOCK_BYTES = 8 * 2**20  # rows copied per read or write
 
 
 def tensor_index(hf_dir: str) -> dict:
-  """HF tensor name -> (file, dtype code, shape, byte offset), from the safetensors headers only; each
-  header is checked against its file's size (ValueError, one line, for a file cut short or malformed)."""
+  """HF tensor name -> (file, dtype code, shape, byte offset), from the safetensors headers only;
+  each header is checked against its file's size (ValueError, one line, for a file cut short or
+  malformed)."""
   index = os.path.join(hf_dir, "model.safetensors.index.json")
   if os.path.exists(index):
     files = sorted({os.path.join(hf_dir, v) for v in _weight_map(index).values()})
@@ -48,7 +50,8 @@ def read_header(path: str) -> tuple[dict, int]:
     head = f.read(8)
     (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
     if n is None or n > size - 8:
-      raise ValueError(f"{path} is not a complete safetensors file ({size} bytes, header of {n} bytes)")
+      raise ValueError(
+          f"{path} is not a complete safetensors file ({size} bytes, header of {n} bytes)")
     try:
       header = json.loads(f.read(n))
     except ValueError:  # JSONDecodeError, UnicodeDecodeError
@@ -62,27 +65,30 @@ def read_header(path: str) -> tuple[dict, int]:
 
 
 def _check_entry(path: str, name: str, entry, data_bytes: int) -> None:
-  """ValueError unless a header entry has a readable dtype, a shape and a byte range of that many bytes
-  within the file's `data_bytes`."""
+  """ValueError unless a header entry has a readable dtype, a shape and a byte range of that many
+  bytes within the file's `data_bytes`."""
   if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
     raise ValueError(f"{path}: tensor {name} has a malformed header entry")
   if entry["dtype"] not in READ_DTYPES:
     raise ValueError(f"{name} has dtype {entry['dtype']}; supported: {', '.join(READ_DTYPES)}")
   shape, offsets = entry["shape"], entry["data_offsets"]
-  if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-          and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+  if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and
+          isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
     raise ValueError(f"{path}: tensor {name} has a malformed shape or data_offsets")
   begin, end = offsets
   nbytes = READ_DTYPES[entry["dtype"]].itemsize * int(np.prod(shape, dtype=np.int64))
   if not 0 <= begin <= end or end - begin != nbytes:
-    raise ValueError(f"{path}: tensor {name} {shape} {entry['dtype']} needs {nbytes} bytes, its data_offsets "
-                     f"{offsets} hold {end - begin}")
+    raise ValueError(
+        f"{path}: tensor {name} {shape} {entry['dtype']} needs {nbytes} bytes, its data_offsets "
+        f"{offsets} hold {end - begin}")
   if end > data_bytes:
-    raise ValueError(f"{path} is cut short: tensor {name} ends at data byte {end}, the file holds {data_bytes}")
+    raise ValueError(
+        f"{path} is cut short: tensor {name} ends at data byte {end}, the file holds {data_bytes}")
 
 
 def _weight_map(index: str) -> dict:
-  """The weight_map of a model.safetensors.index.json; ValueError (one line) when it is malformed."""
+  """The weight_map of a model.safetensors.index.json;
+  ValueError (one line) when it is malformed."""
   try:
     with open(index, "rb") as f:
       weight_map = json.loads(f.read())["weight_map"]
@@ -143,6 +149,7 @@ def write_safetensors(path: str, header_entries, tensors, dtype: str = "float32"
       assert list(w.shape) == header[name]["shape"], (name, w.shape, header[name]["shape"])
       rows = max(1, BLOCK_BYTES // (itemsize * int(np.prod(w.shape[1:], dtype=np.int64))))
       for r in range(0, w.shape[0], rows):  # a block may be a view of the leaf: keep no name on it
-        f.write(memoryview(np.ascontiguousarray(w[r:r + rows], np_dtype).reshape(-1).view(np.uint8)))
+        f.write(memoryview(
+            np.ascontiguousarray(w[r:r + rows], np_dtype).reshape(-1).view(np.uint8)))
       del w
   os.replace(path + ".tmp", path)

@@ -1,6 +1,8 @@
-"""Host-side batches by config: a synthetic language, raw bytes of files, and real corpora (kind "text").
+"""Host-side batches by config: a synthetic language, raw bytes of files, and real corpora (kind
+"text").
 
-kind "text": sources -> (prepare) tokenized cache -> grain pipeline (shuffle, pack, batch, prefetch).
+kind "text": sources -> (prepare) tokenized cache -> grain pipeline (shuffle, pack, batch,
+prefetch).
 """
 
 from jaxtrain.data import pipeline, prepare as prepare_lib, tokenizers
@@ -59,16 +61,18 @@ def make_iterator(cfg, split: str, lo: int, hi: int, workdir: str, process_index
     return IndexedIterator(make_source(cfg, split), lo, hi)
   d, t = cfg.data, cfg.train
   if hi - lo != t.batch_size // process_count:
-    raise ValueError(f"text data needs each process to hold a contiguous 1/{process_count} of the batch rows")
+    raise ValueError(
+        f"text data needs each process to hold a contiguous 1/{process_count} of the batch rows")
   layout = prepare_lib.cache_layout(cfg, workdir)
-  return pipeline.TextPipeline([path for _, _, path in layout], [w for _, w, _ in layout], t.seq_len,
-                               t.batch_size, t.seed, split, d.eval_fraction, d.packing, process_index,
-                               process_count, d.prefetch)
+  return pipeline.TextPipeline([path for _, _, path in layout], [w for _, w, _ in layout],
+                               t.seq_len, t.batch_size, t.seed, split, d.eval_fraction, d.packing,
+                               process_index, process_count, d.prefetch)
 
 
 def prepare_corpus(cfg, workdir: str, progress: bool = True) -> dict:
   """kind "text": the run's tokenizer (trained on the corpus for "bpe"), its reference in the
-  workdir, and the token caches (reused when corpus, tokenizer and rules are unchanged); the report."""
+  workdir, and the token caches (reused when corpus, tokenizer and rules are unchanged); the
+  report."""
   texts = prepare_lib.corpus_texts(cfg) if cfg.data.tokenizer == "bpe" else None
   tokenizer = tokenizers.make_tokenizer(cfg.data, workdir, texts=texts)
   tokenizers.save_reference(tokenizer, workdir)

@@ -4,9 +4,11 @@ CACHE/
   manifest.json   {"fingerprint", "num_docs", "num_tokens", "dtype", "vocab_size", "complete", ...}
                   prepare adds "source" (the data.path entry), "format" and "tokenizer" (its spec)
   report.json     the data report of prepare (jaxtrain/data/report.py), written before the manifest
-  tokens.bin      every document's token ids, concatenated (BOS/EOS already in place), dtype as named
+  tokens.bin      every document's token ids, concatenated (BOS/EOS already in place), dtype as
+                  named
   offsets.npy     int64 [num_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
-  shards-KEY/     prepare's finished shards while it runs (prepare.py); removed once the cache is complete
+  shards-KEY/     prepare's finished shards while it runs (prepare.py, shards.py); removed once the
+                  cache is complete
 
 A cache is valid only when manifest.json exists with "complete": true; it is written last, after
 the arrays, by an atomic rename, so a killed `prepare` never leaves a cache that looks finished.
@@ -71,7 +73,8 @@ class Cache:
   def __init__(self, path: str):
     self.manifest = read_manifest(path)
     if self.manifest is None:
-      raise FileNotFoundError(f"no complete token cache in {path}; run `python -m jaxtrain prepare` first")
+      raise FileNotFoundError(
+          f"no complete token cache in {path}; run `python -m jaxtrain prepare` first")
     self.offsets = np.load(os.path.join(path, "offsets.npy"))
     n = self.manifest["num_tokens"]
     dtype = np.dtype(self.manifest["dtype"])

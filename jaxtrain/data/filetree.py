@@ -1,4 +1,5 @@
-"""File trees with symlinks followed into each real directory once, so that link loops end. Stdlib only.
+"""File trees with symlinks followed into each real directory once, so that link loops end. Stdlib
+only.
 
 os.walk(followlinks=True) and glob's `**` re-enter a directory through every link to it: two loops
 (`ln -s . d/self; ln -s .. d/sub/back`) make that walk exponential before ELOOP ends it. Here a
@@ -35,7 +36,8 @@ def walk(root: str) -> list[str]:
   (at its first path, top-down in sorted order), so symlink loops end."""
   out, seen = [], {_identity(root)}
   for dirpath, dirs, files in os.walk(root, followlinks=True):
-    dirs[:] = [d for d in sorted(dirs) if not d.startswith(".") and _first(seen, os.path.join(dirpath, d))]
+    dirs[:] = [d for d in sorted(dirs)
+               if not d.startswith(".") and _first(seen, os.path.join(dirpath, d))]
     out += [os.path.join(dirpath, f) for f in sorted(files) if not f.startswith(".")]
   return out
 
@@ -46,7 +48,8 @@ def _match(names: list[str], patterns: list[str]) -> bool:
     return not names
   if patterns[0] == "**":
     return _match(names, patterns[1:]) or (bool(names) and _match(names[1:], patterns))
-  return bool(names) and fnmatch.fnmatchcase(names[0], patterns[0]) and _match(names[1:], patterns[1:])
+  return (bool(names) and fnmatch.fnmatchcase(names[0], patterns[0])
+          and _match(names[1:], patterns[1:]))
 
 
 def glob(spec: str) -> list[str]:

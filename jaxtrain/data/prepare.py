@@ -1,4 +1,5 @@
-"""`prepare`: tokenize a corpus once into token caches (cache.py), over all cores, resumable. No jax.
+"""`prepare`: tokenize a corpus once into token caches (cache.py), over all cores, resumable.
+No jax.
 
 Each data.path entry gets its own cache, CACHE_ROOT/NAME-HASH (cache_layout), CACHE_ROOT being
 data.cache_dir or WORKDIR/data_cache. A cache is reused, with no work, while its fingerprint holds:
@@ -8,7 +9,7 @@ is removed first, so a stale cache never looks complete, and it is rebuilt.
 
 Building: the source's pieces (sources.py) are grouped in order into shards of about shard_bytes
 of input. Workers (child processes, workers.py: safe beside jax's threads, and a script that calls
-prepare needs no `if __name__ == "__main__":` guard) tokenize one shard each and write
+prepare needs no `if __name__ == "__main__":` guard) tokenize one shard each (shards.py) and write
 CACHE/shards-KEY/NNNNN.npz through an atomic rename, so a killed run (even kill -9) leaves only
 whole shards, which a rerun skips. When all are done they are concatenated in order (the same
 bytes for any number of workers), report.json is written, then the manifest, and the shards go.
@@ -26,14 +27,17 @@ import tqdm
 from jaxtrain.data import cache as cache_lib
 from jaxtrain.data import report as report_lib
 from jaxtrain.data import sources, splits
+from jaxtrain.data import shards as shards_lib
 from jaxtrain.data import workers as workers_lib
-from jaxtrain.data.shards import Rules, run_shard, shard_chunks, shard_counts
+from jaxtrain.data.shards import Rules
 from jaxtrain.data.sources import DataError
 
-VERSION = 2  # bump when the cache layout or a rule changes (2: BOM-marked and compressed files decoded)
+# bump when the cache layout or a rule changes (2: BOM-marked and compressed files decoded)
+VERSION = 2
 SMALL_FILE = 1 << 20  # files up to this size are hashed into the fingerprint
 MIN_SHARD, MAX_SHARD = 1 << 20, 64 << 20  # default shards: 1/256 of the input within these bounds
-RUN_KEYS = ("cache", "weight", "cache_reused", "shards", "shards_reused")  # returned, not in report.json
+# returned, not in report.json
+RUN_KEYS = ("cache", "weight", "cache_reused", "shards", "shards_reused")
 
 
 def rules_of(data_cfg) -> Rules:
@@ -51,7 +55,8 @@ def cache_layout(cfg, workdir: str) -> list[tuple[str, float, str]]:
   layout = []
   for spec, weight in sources.parse_mixture(cfg.data.path):
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", spec).strip("_.")[-40:] or "source"
-    layout.append((spec, weight, os.path.join(root, f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}")))
+    layout.append(
+        (spec, weight, os.path.join(root, f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}")))
   return layout
 
 
@@ -72,7 +77,8 @@ def stamps(files: list[tuple[str, str]]) -> list[list]:
   """Stamps of every file (every file inside a saved HF dataset)."""
   paths = []
   for path, fmt in files:
-    paths += sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs) if fmt == "hf" else [path]
+    paths += sorted(os.path.join(d, f) for d, _, fs in os.walk(path)
+                    for f in fs) if fmt == "hf" else [path]
   return [_stamp(p) for p in paths]
 
 
@@ -97,7 +103,7 @@ def plan_shards(pieces: list, shard_bytes: int) -> list[list]:
 def _run(tokenizer, tasks, workers):
   """(index, counts) of each task as it finishes; in this process when one worker is enough."""
   if workers <= 1 or len(tasks) <= 1:
-    yield from (run_shard(tokenizer, *task) for task in tasks)
+    yield from (shards_lib.run_shard(tokenizer, *task) for task in tasks)
     return
   yield from workers_lib.run(tokenizer.spec(), tasks, workers)
 
@@ -117,7 +123,8 @@ def _shard_dir(cache_path: str, fp: str, shard_bytes: int) -> str:
 
 
 def _write_json(path: str, obj) -> None:
-  """Atomic; no write when the file already holds obj (a reused cache may sit on a read-only disk)."""
+  """Atomic; no write when the file already holds obj
+  (a reused cache may sit on a read-only disk)."""
   if _read_json(path) == obj:
     return
   tmp = f"{path}.tmp{os.getpid()}"
@@ -139,7 +146,9 @@ def _finish(report: dict, cache_path: str, seq_len: int | None) -> dict:
   lengths = np.diff(np.load(os.path.join(cache_path, "offsets.npy")))
   report.update(seq_len=seq_len, long_documents=int((lengths > seq_len).sum()) if seq_len else 0,
                 max_document_tokens=int(lengths.max()) if lengths.size else 0)
-  _write_json(os.path.join(cache_path, "report.json"), {k: v for k, v in report.items() if k not in RUN_KEYS})
+  _write_json(os.path.join(cache_path, "report.json"),
+              {k: v
+               for k, v in report.items() if k not in RUN_KEYS})
   return report
 
 
@@ -151,12 +160,14 @@ def _no_text(spec: str, counts: dict) -> DataError:
 
 
 def prepare_source(spec: str, cache_path: str, tokenizer, rules: Rules, workers: int = 1,
-                   progress: bool = False, seq_len: int | None = None, shard_bytes: int | None = None) -> dict:
+                   progress: bool = False, seq_len: int | None = None,
+                   shard_bytes: int | None = None) -> dict:
   """Builds (or reuses) the cache of one source at cache_path; returns its report (report.py)."""
   files = sources.list_files(spec, rules.fmt)
   file_stamps = stamps(files)
   fp = fingerprint(spec, file_stamps, tokenizer.fingerprint(), rules)
-  manifest, saved = cache_lib.read_manifest(cache_path), _read_json(os.path.join(cache_path, "report.json"))
+  manifest = cache_lib.read_manifest(cache_path)
+  saved = _read_json(os.path.join(cache_path, "report.json"))
   run = {"cache": cache_path, "cache_reused": True, "shards": 0, "shards_reused": 0}
   if manifest and manifest["fingerprint"] == fp and saved:
     return _finish({**saved, **run}, cache_path, seq_len)
@@ -165,12 +176,14 @@ def prepare_source(spec: str, cache_path: str, tokenizer, rules: Rules, workers:
   if os.path.exists(os.path.join(cache_path, cache_lib.MANIFEST)):
     os.remove(os.path.join(cache_path, cache_lib.MANIFEST))
   counts = report_lib.new_counts()
-  counts.update(files=len(files), input_bytes=sum(s[1] for s in file_stamps))  # a saved dataset is 1 file
+  # a saved dataset is 1 file
+  counts.update(files=len(files), input_bytes=sum(s[1] for s in file_stamps))
   shard_bytes = shard_bytes or min(max(counts["input_bytes"] // 256, MIN_SHARD), MAX_SHARD)
-  shards = plan_shards(sources.plan_pieces(files, rules.text_field, shard_bytes, counts), shard_bytes)
+  shards = plan_shards(sources.plan_pieces(files, rules.text_field, shard_bytes, counts),
+                       shard_bytes)
   shard_dir = _shard_dir(cache_path, fp, shard_bytes)
   paths = [os.path.join(shard_dir, f"{i:05d}.npz") for i in range(len(shards))]
-  done = {i: c for i, c in enumerate(map(shard_counts, paths)) if c is not None}
+  done = {i: c for i, c in enumerate(map(shards_lib.shard_counts, paths)) if c is not None}
   tasks = [(i, shards[i], rules, paths[i]) for i in range(len(shards)) if i not in done]
   sizes = [sum(p.size for p in shard) for shard in shards]
   bar = tqdm.tqdm(total=sum(sizes), initial=sum(sizes[i] for i in done), unit="B", unit_scale=True,
@@ -187,8 +200,8 @@ def prepare_source(spec: str, cache_path: str, tokenizer, rules: Rules, workers:
     raise _no_text(spec, counts)
 
   _write_json(os.path.join(cache_path, "report.json"), report)
-  cache_lib.write_chunks(cache_path, shard_chunks(paths), tokenizer.vocab_size, fp, source=spec,
-                         format=rules.fmt, tokenizer=tokenizer.spec())
+  cache_lib.write_chunks(cache_path, shards_lib.shard_chunks(paths), tokenizer.vocab_size, fp,
+                         source=spec, format=rules.fmt, tokenizer=tokenizer.spec())
   shutil.rmtree(shard_dir, ignore_errors=True)
   run.update(cache_reused=False, shards=len(shards), shards_reused=len(shards) - len(tasks))
   return _finish({**report, **run}, cache_path, seq_len)
@@ -211,19 +224,22 @@ def check_splits(cfg, layout) -> None:
     for name, ranges in [("training", cut.train)] + [("eval", cut.eval)] * bool(t.eval_every):
       if not splits.pairs(ranges):
         fix = " or set --config.train.eval_every=0" if name == "eval" else ""
-        raise DataError(f"data.path entry {spec!r}: {len(offsets) - 1} document(s), {offsets[-1]} tokens: too little "
-                        f"text for a {name} split; add text{fix}")
+        raise DataError(f"data.path entry {spec!r}: {len(offsets) - 1} document(s), "
+                        f"{offsets[-1]} tokens: too little text for a {name} split; add text{fix}")
 
 
-def prepare(cfg, workdir: str, tokenizer, seq_len: int | None = None, progress: bool = True) -> dict:
-  """Prepares every source of cfg.data.path; returns the combined report (also CACHE_ROOT/report.json)
-  with one entry per source under "sources". seq_len defaults to train.seq_len. Fails (check_splits)
-  when a source is too small to split for training and evaluation."""
+def prepare(cfg, workdir: str, tokenizer, seq_len: int | None = None,
+            progress: bool = True) -> dict:
+  """Prepares every source of cfg.data.path; returns the combined report (also
+  CACHE_ROOT/report.json) with one entry per source under "sources". seq_len defaults to
+  train.seq_len. Fails (check_splits) when a source is too small to split for training and
+  evaluation."""
   seq_len = cfg.train.seq_len if seq_len is None else seq_len
   workers = cfg.data.prepare_workers or _cores()
   rules = rules_of(cfg.data)
   layout = cache_layout(cfg, workdir)
-  reports = [{**prepare_source(spec, path, tokenizer, rules, workers, progress, seq_len), "weight": weight}
+  reports = [{**prepare_source(spec, path, tokenizer, rules, workers, progress, seq_len),
+              "weight": weight}
              for spec, weight, path in layout]
   check_splits(cfg, layout)
   total = {"seq_len": seq_len, "cache_dir": cache_root(cfg, workdir)}
@@ -238,9 +254,11 @@ def prepare(cfg, workdir: str, tokenizer, seq_len: int | None = None, progress: 
 
 
 def corpus_texts(cfg):
-  """The clean text of every usable document of every data.path source, in order (to train a BPE)."""
+  """The clean text of every usable document of every data.path source, in order
+  (to train a BPE)."""
   rules = rules_of(cfg.data)
   for spec, _ in sources.parse_mixture(cfg.data.path):
     counts = report_lib.new_counts()
-    pieces = sources.plan_pieces(sources.list_files(spec, rules.fmt), rules.text_field, MAX_SHARD, counts)
+    pieces = sources.plan_pieces(sources.list_files(spec, rules.fmt), rules.text_field, MAX_SHARD,
+                                 counts)
     yield from sources.iter_texts(pieces, rules.text_field, rules.bad_utf8, counts)

@@ -5,13 +5,14 @@ Every document read is counted once: kept, or skipped for the first reason that 
   missing_field   JSON that is not an object or lacks a string data.text_field; a null cell
   empty           no bytes or only whitespace (also once NUL bytes are removed)
   binary          over 30% of its bytes are control bytes (0x00-0x08, 0x0E-0x1F, 0x7F) or invalid
-                  UTF-8 sequences: executables, images, archives, UTF-16 without a BOM, NUL-heavy files
+                  UTF-8 sequences: executables, images, archives, UTF-16 without a BOM, NUL-heavy
+                  files
   invalid_utf8    invalid UTF-8 when data.bad_utf8 is "skip"
-  corrupt_compressed  a .gz/.zst text file that does not decompress whole; in a jsonl file the line where
-                  the damage begins (file:LINE; the lines decompressed before it are kept)
-Converted, and counted, before these rules (decoding.py): decompressed_gzip and decompressed_zstd count
-files that decompressed whole; decoded_utf16, decoded_utf32 and removed_utf8_bom count documents (text
-files, records, cells) and jsonl files that start with that byte-order mark.
+  corrupt_compressed  a .gz/.zst text file that does not decompress whole; in a jsonl file the line
+                  where the damage begins (file:LINE; the lines decompressed before it are kept)
+Converted, and counted, before these rules (decoding.py): decompressed_gzip and decompressed_zstd
+count files that decompressed whole; decoded_utf16, decoded_utf32 and removed_utf8_bom count
+documents (text files, records, cells) and jsonl files that start with that byte-order mark.
 Kept documents are repaired and counted: invalid UTF-8 (data.bad_utf8 "repair") becomes U+FFFD, one
 per bad sequence as Python's "replace" does; NUL bytes are removed. A file that holds no document
 (0 bytes, or a table without rows) counts as an empty file. long_documents counts kept documents of
@@ -20,7 +21,8 @@ more than seq_len tokens (BOS/EOS included), which the pipeline splits; none is 
 
 from jaxtrain.data import decoding
 
-SKIPPED = ("malformed_json", "missing_field", "empty", "binary", "invalid_utf8", "corrupt_compressed")
+SKIPPED = ("malformed_json", "missing_field", "empty", "binary", "invalid_utf8",
+           "corrupt_compressed")
 REPAIRED = ("invalid_utf8", "nul")
 EXAMPLES = 5  # locations kept per case
 BINARY_FRACTION = 0.3
@@ -103,7 +105,8 @@ def merge(total: dict, part: dict) -> dict:
     elif isinstance(value, dict):
       merge(total.setdefault(key, {}), value)
     elif isinstance(value, int) and not isinstance(value, bool):
-      total[key] = max(total.get(key, 0), value) if key.startswith("max_") else total.get(key, 0) + value
+      total[key] = max(total.get(key, 0),
+                       value) if key.startswith("max_") else total.get(key, 0) + value
   return total
 
 
@@ -118,12 +121,15 @@ def _cases(counts: dict, group: str, examples: dict) -> str:
 
 
 def format_report(report: dict) -> str:
-  """A few lines for the end of `prepare`: totals, then each non-zero case with example locations."""
+  """A few lines for the end of `prepare`: totals,
+  then each non-zero case with example locations."""
   r, ex = report, report.get("examples", {})
-  lines = [f"data: {len(r.get('sources', [r]))} source(s), {r['files']:,} file(s) ({r['empty_files']:,} empty), "
+  lines = [f"data: {len(r.get('sources', [r]))} source(s), {r['files']:,} file(s) "
+           f"({r['empty_files']:,} empty), "
            f"{r['documents']:,} document(s): {r['kept']:,} kept, {r['tokens']:,} tokens"]
   if r["empty_files"]:
-    lines.append(f"  empty files {r['empty_files']:,}{_where(ex.get('empty_files', []), r['empty_files'])}")
+    lines.append(
+        f"  empty files {r['empty_files']:,}{_where(ex.get('empty_files', []), r['empty_files'])}")
   lines += [_cases(r.get("converted", {}), "converted", ex), _cases(r["skipped"], "skipped", ex),
             _cases(r["repaired"], "repaired", ex)]
   if r["nul_bytes_removed"]:

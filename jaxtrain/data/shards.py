@@ -14,7 +14,8 @@ from jaxtrain.data import sources
 
 
 class Rules(NamedTuple):
-  """What, besides files and tokenizer, decides a cache's content (from data.*: prepare.rules_of)."""
+  """What, besides files and tokenizer, decides a cache's content (from data.*:
+  prepare.rules_of)."""
   fmt: str
   text_field: str
   add_bos: bool

@@ -2,11 +2,14 @@
 
 data.path is one source or a comma-separated mixture, each entry `SPEC[@WEIGHT]`; a SPEC is a file,
 a directory (recursive, hidden entries skipped), a glob, or a Hugging Face dataset saved with
-`save_to_disk`. Directories and `**` follow symlinks into each real directory once (loops end), and a
-file reached under two names (links) is read once (filetree.py). Formats, by data.format or (auto) by extension:
+`save_to_disk`. Directories and `**` follow symlinks into each real directory once (loops end),
+and a file reached under two names (links) is read once (filetree.py). Formats, by data.format or
+(auto) by extension:
   text         each file is one document (.txt, .py, ... and any unknown extension)
-  jsonl        each line is a JSON object; data.text_field holds the document (.jsonl, .json, .ndjson)
-  (text and jsonl files may be compressed, a.txt.gz or a.jsonl.zst, and UTF-16/32 by their BOM: decoding.py)
+  jsonl        each line is a JSON object; data.text_field holds the document (.jsonl, .json,
+               .ndjson)
+  (text and jsonl files may be compressed, a.txt.gz or a.jsonl.zst, and UTF-16/32 by their BOM:
+  decoding.py)
   parquet      each row; data.text_field names a string or binary column (.parquet)
   arrayrecord  each record: UTF-8 text, or JSON with data.text_field when the file's first record is
                such an object (.arrayrecord, .array_record)
@@ -73,7 +76,8 @@ def is_hf_dataset(path: str) -> bool:
 
 
 def format_of(path: str, fmt: str) -> str:
-  """The format of one file: data.format, or (auto) by extension (a.jsonl.gz is jsonl), text when unknown."""
+  """The format of one file: data.format, or (auto) by extension (a.jsonl.gz is jsonl),
+  text when unknown."""
   if fmt == "auto":
     fmt = EXTENSIONS.get(os.path.splitext(decoding.without_compression(path))[1].lower(), "text")
   if decoding.compression(path) and fmt not in ("text", "jsonl"):
@@ -94,10 +98,12 @@ def _check_readable(path: str) -> None:
 
 
 def list_files(spec: str, fmt: str) -> list[tuple[str, str]]:
-  """Sorted (path, format) pairs of a source; a saved HF dataset is one pair (its directory, "hf")."""
+  """Sorted (path, format) pairs of a source; a saved HF dataset is one pair
+  (its directory, "hf")."""
   if fmt == "hf" or (fmt == "auto" and is_hf_dataset(spec)):
     if not is_hf_dataset(spec):
-      raise DataError(f"data.path {spec!r} is not a saved Hugging Face dataset (no {', '.join(HF_MARKERS)})")
+      raise DataError(
+          f"data.path {spec!r} is not a saved Hugging Face dataset (no {', '.join(HF_MARKERS)})")
     return [(spec, "hf")]
   if os.path.isdir(spec):
     files = filetree.walk(spec)
@@ -120,8 +126,8 @@ def list_files(spec: str, fmt: str) -> list[tuple[str, str]]:
 def _split(fmt, path, count, size, piece_bytes, first=0):
   """Pieces of `count` equal-sized documents of one file, each about piece_bytes."""
   per = max(1, min(count, int(piece_bytes * count // max(size, 1))))
-  return [Piece(fmt, path, s, min(s + per, count), first + s, size * (min(s + per, count) - s) // count)
-          for s in range(0, count, per)]
+  return [Piece(fmt, path, s, min(s + per, count), first + s,
+                size * (min(s + per, count) - s) // count) for s in range(0, count, per)]
 
 
 def _plan_text(path, text_field, piece_bytes):
@@ -129,8 +135,8 @@ def _plan_text(path, text_field, piece_bytes):
 
 
 def _plan_jsonl(path, text_field, piece_bytes):
-  """Byte ranges that start on a line, each at least piece_bytes (the last may be shorter); a compressed
-  or UTF-16/32 file is one piece, "jsonl_stream", read whole."""
+  """Byte ranges that start on a line, each at least piece_bytes (the last may be shorter); a
+  compressed or UTF-16/32 file is one piece, "jsonl_stream", read whole."""
   pieces, start, offset, line = [], 0, 0, 1
   with open(path, "rb") as f:
     if decoding.compression(path) or decoding.needs_decoding(f.read(4)):
@@ -155,7 +161,8 @@ def _plan_parquet(path, text_field, piece_bytes):
     raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
   schema = meta.schema.to_arrow_schema()
   if text_field not in schema.names:
-    raise DataError(f"{path} has no column {text_field!r} (data.text_field); columns: {', '.join(schema.names)}")
+    raise DataError(f"{path} has no column {text_field!r} (data.text_field); "
+                    f"columns: {', '.join(schema.names)}")
   kind = schema.field(text_field).type
   if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
           or pa.types.is_large_binary(kind)):
@@ -203,7 +210,8 @@ def _hf_dataset(path):
   try:
     return datasets.load_from_disk(path)
   except (FileNotFoundError, ValueError) as e:
-    raise DataError(f"{path}: not a saved Hugging Face dataset ({str(e).splitlines()[0]})") from None
+    raise DataError(
+        f"{path}: not a saved Hugging Face dataset ({str(e).splitlines()[0]})") from None
 
 
 def _plan_hf(path, text_field, piece_bytes):
@@ -211,7 +219,8 @@ def _plan_hf(path, text_field, piece_bytes):
   if hasattr(ds, "keys"):  # a DatasetDict
     splits = sorted(ds.keys())
     if "train" not in splits and len(splits) != 1:
-      raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(splits)})")
+      raise DataError(
+          f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(splits)})")
     path = os.path.join(path, "train" if "train" in splits else splits[0])
     ds = _hf_dataset(path)
   if text_field not in ds.column_names:
@@ -224,11 +233,13 @@ PLANNERS = {"text": _plan_text, "jsonl": _plan_jsonl, "parquet": _plan_parquet,
             "arrayrecord": _plan_arrayrecord, "hf": _plan_hf}
 
 
-def plan_pieces(files: list[tuple[str, str]], text_field: str, piece_bytes: int, counts: dict) -> list[Piece]:
+def plan_pieces(files: list[tuple[str, str]], text_field: str, piece_bytes: int,
+                counts: dict) -> list[Piece]:
   """Every file's pieces in order; files that hold no documents count as empty_files."""
   pieces = []
   for path, fmt in files:
-    found = [] if fmt != "hf" and os.path.getsize(path) == 0 else PLANNERS[fmt](path, text_field, piece_bytes)
+    found = [] if fmt != "hf" and os.path.getsize(path) == 0 else PLANNERS[fmt](path, text_field,
+                                                                                piece_bytes)
     if not found:
       report.note(counts, "empty_files", path)
     pieces += found
@@ -312,7 +323,8 @@ def _read_jsonl(piece, text_field, counts):
 
 
 def _lines(chunks):
-  """The lines of a stream of chunks (without the newline); the text after the final newline is one."""
+  """The lines of a stream of chunks (without the newline);
+  the text after the final newline is one."""
   parts = []
   for chunk in chunks:
     first, *lines = chunk.split(b"\n")
@@ -326,7 +338,8 @@ def _lines(chunks):
 
 
 def _read_jsonl_stream(piece, text_field, counts):
-  """A compressed or UTF-16/32 file, line by line; the lines that decompressed before damage are kept."""
+  """A compressed or UTF-16/32 file, line by line;
+  the lines that decompressed before damage are kept."""
   index = piece.first
   try:
     for line in _lines(decoding.utf8_chunks(decoding.file_chunks(piece.path),
@@ -351,14 +364,16 @@ def _cells(values, first):
 
 def _read_parquet(piece, text_field, counts):
   import pyarrow.parquet as pq
-  table = pq.ParquetFile(piece.path).read_row_groups(range(piece.start, piece.stop), columns=[text_field])
+  table = pq.ParquetFile(piece.path).read_row_groups(range(piece.start, piece.stop),
+                                                     columns=[text_field])
   return _cells(table.column(0).to_pylist(), piece.first)
 
 
 def _read_arrayrecord(piece, text_field, counts):
   records = _array_record(piece.path).__getitems__(range(piece.start, piece.stop))
   for k, record in enumerate(records):
-    raw, reason = _from_json(record, text_field) if piece.fmt == "arrayrecord_json" else (record, None)
+    raw, reason = (_from_json(record, text_field) if piece.fmt == "arrayrecord_json"
+                   else (record, None))
     yield raw, piece.first + k, reason
 
 
@@ -368,8 +383,8 @@ def _read_hf(piece, text_field, counts):
 
 
 READERS = {"text": _read_text, "jsonl": _read_jsonl, "jsonl_stream": _read_jsonl_stream,
-           "parquet": _read_parquet, "arrayrecord": _read_arrayrecord, "arrayrecord_json": _read_arrayrecord,
-           "hf": _read_hf}
+           "parquet": _read_parquet, "arrayrecord": _read_arrayrecord,
+           "arrayrecord_json": _read_arrayrecord, "hf": _read_hf}
 
 
 def location(piece: Piece, index: int) -> str:

@@ -1,12 +1,12 @@
 """Which tokens of a token cache are held out for evaluation, and their pieces. Numpy only.
 
 By documents whenever that gives each split a next-token pair: document i is held out when
-splitmix64(i) / 2**64 < eval_fraction, so a document keeps its split as the corpus grows, and with 2 or
-more documents neither split is empty. Otherwise (one document, or documents too short) the tail of the
-token stream is held out: ceil(eval_fraction * tokens) tokens, and at least min_eval_tokens (the pipeline
-asks for one batch of pairs) while that leaves training half the tokens. The cut falls inside a document:
-its two parts share no token, and the pair across the cut is in neither split. Fewer than 4 tokens cannot
-be split: all of them train and the eval split is empty.
+splitmix64(i) / 2**64 < eval_fraction, so a document keeps its split as the corpus grows, and with 2
+or more documents neither split is empty. Otherwise (one document, or documents too short) the tail
+of the token stream is held out: ceil(eval_fraction * tokens) tokens, and at least min_eval_tokens
+(the pipeline asks for one batch of pairs) while that leaves training half the tokens. The cut falls
+inside a document: its two parts share no token, and the pair across the cut is in neither split.
+Fewer than 4 tokens cannot be split: all of them train and the eval split is empty.
 """
 
 import math
@@ -16,7 +16,8 @@ import numpy as np
 
 
 class Split(NamedTuple):
-  """Token ranges [start, stop) of each split, one row per range; tail: tokens held out at the end (0: by documents)."""
+  """Token ranges [start, stop) of each split, one row per range; tail: tokens held out at the end
+  (0: by documents)."""
   train: np.ndarray
   eval: np.ndarray
   tail: int
@@ -69,8 +70,9 @@ def split(offsets: np.ndarray, eval_fraction: float, min_eval_tokens: int) -> Sp
 
 
 def cut_pieces(ranges: np.ndarray, seq_len: int):
-  """(first token index, next-token pairs) of every piece of the ranges, in order: piece k of a range
-  covers its tokens [k*L, k*L + L + 1), so consecutive pieces share one token and lose no pair."""
+  """(first token index, next-token pairs) of every piece of the ranges, in order: piece k of a
+  range covers its tokens [k*L, k*L + L + 1), so consecutive pieces share one token and lose no
+  pair."""
   starts, n = ranges[:, 0], ranges[:, 1] - ranges[:, 0] - 1
   starts, n = starts[n >= 1], n[n >= 1]  # a 1-token range has no target
   counts = -(-n // seq_len)

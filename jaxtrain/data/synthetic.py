@@ -53,7 +53,8 @@ class SymbolTokenizer:
       elif word.isdigit() and int(word) < self.symbols:
         ids.append(FIRST_SYMBOL + int(word))
       else:
-        raise ValueError(f"synthetic prompt: {word!r} is not a symbol 0..{self.symbols - 1}, '<', '|' or '>'")
+        raise ValueError(
+            f"synthetic prompt: {word!r} is not a symbol 0..{self.symbols - 1}, '<', '|' or '>'")
     return np.asarray(ids, np.int32)
 
   def decode(self, ids) -> str:

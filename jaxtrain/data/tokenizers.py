@@ -1,9 +1,9 @@
 """Tokenizers for text data: bytes, a byte-level BPE trained on the corpus, or a file. Numpy only.
 
 Each has encode (no BOS/EOS), encode_batch, decode (drops special ids), bos, eos, vocab_size, spec()
-(a small dict that load_tokenizer rebuilds it from) and fingerprint() (a hash of what fixes the ids).
-A run records spec and fingerprint in WORKDIR/tokenizer_ref.json, so that sampling and evaluation
-load the tokenizer it trained with and notice if the file changed since.
+(a small dict that load_tokenizer rebuilds it from) and fingerprint() (a hash of what fixes the
+ids). A run records spec and fingerprint in WORKDIR/tokenizer_ref.json, so that sampling and
+evaluation load the tokenizer it trained with and notice if the file changed since.
 """
 
 import hashlib
@@ -99,7 +99,8 @@ class SentencePieceTokenizer:
   def __init__(self, path: str):
     self.path = _check_file(path, "tokenizer file")
     self._sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
-    self.bos, self.eos, self.vocab_size = self._sp.bos_id(), self._sp.eos_id(), self._sp.get_piece_size()
+    self.bos, self.eos = self._sp.bos_id(), self._sp.eos_id()
+    self.vocab_size = self._sp.get_piece_size()
     if self.bos < 0 or self.eos < 0:
       raise ValueError(f"SentencePiece model {self.path!r} has no BOS/EOS (bos_id={self.bos}, "
                        f"eos_id={self.eos})")
@@ -132,7 +133,8 @@ LOADERS = {"byte": lambda spec: Bytes(), "hf": lambda spec: HfTokenizer(spec["pa
 def load_tokenizer(spec: dict):
   """The tokenizer that spec() returned."""
   if spec.get("kind") not in LOADERS:
-    raise ValueError(f"tokenizer spec: unknown kind {spec.get('kind')!r}; choose one of {', '.join(LOADERS)}")
+    raise ValueError(
+        f"tokenizer spec: unknown kind {spec.get('kind')!r}; choose one of {', '.join(LOADERS)}")
   return LOADERS[spec["kind"]](spec)
 
 
@@ -171,7 +173,8 @@ def make_tokenizer(data_cfg, workdir: str, texts: Iterable[str] | None = None):
                          f"{data_cfg.bpe_vocab_size}; delete it to retrain")
       return tok
     if texts is None:
-      raise ValueError(f"data.tokenizer='bpe': {path} does not exist and no texts were given to train it on")
+      raise ValueError(
+          f"data.tokenizer='bpe': {path} does not exist and no texts were given to train it on")
     return train_bpe(texts, data_cfg.bpe_vocab_size, path)
   if not os.path.isfile(name):
     raise FileNotFoundError(f"data.tokenizer {name!r} does not exist (expected 'byte', 'bpe', or a "
@@ -210,6 +213,7 @@ def load_reference(workdir: str):
     spec["path"] = os.path.join(os.path.abspath(workdir), spec["path"])  # no-op if absolute
   tok = load_tokenizer(spec)
   if tok.fingerprint() != ref["fingerprint"]:
-    raise ValueError(f"tokenizer {spec.get('path', spec['kind'])!r} changed since the run recorded it "
-                     f"(fingerprint {tok.fingerprint()} != {ref['fingerprint']})")
+    raise ValueError(
+        f"tokenizer {spec.get('path', spec['kind'])!r} changed since the run recorded it "
+        f"(fingerprint {tok.fingerprint()} != {ref['fingerprint']})")
   return tok

@@ -1,10 +1,11 @@
-"""prepare's tokenizer workers: child processes fed shard tasks as JSON lines. Numpy only in the child.
+"""prepare's tokenizer workers: child processes fed shard tasks as JSON lines.
+Numpy only in the child.
 
-Started with subprocess, not multiprocessing: a multiprocessing "spawn" child re-imports the parent's
-__main__, so a script without an `if __name__ == "__main__":` guard ran its jaxtrain.train call again in
-every worker, and the pool respawned the failing workers forever; "fork" after jax has started its
-threads can deadlock. A child here runs only this module's serve(), with the jaxtrain packages' __init__
-files skipped (they import jax), so it starts quickly and small.
+Started with subprocess, not multiprocessing: a multiprocessing "spawn" child re-imports the
+parent's __main__, so a script without an `if __name__ == "__main__":` guard ran its jaxtrain.train
+call again in every worker, and the pool respawned the failing workers forever; "fork" after jax has
+started its threads can deadlock. A child here runs only this module's serve(), with the jaxtrain
+packages' __init__ files skipped (they import jax), so it starts quickly and small.
 """
 
 import functools
@@ -18,7 +19,8 @@ from jaxtrain.data import shards, sources
 from jaxtrain.data.sources import DataError
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Protocol on a copy of stdout; the child's own stdout goes to stderr, so a stray print cannot garble it.
+# Protocol on a copy of stdout; the child's own stdout goes to stderr, so a stray print cannot
+# garble it.
 _BOOT = ("import os, sys, types\n"
          "out = os.dup(1)\n"
          "os.dup2(2, 1)\n"
@@ -53,7 +55,8 @@ def _reply(proc: subprocess.Popen) -> tuple[int, dict]:
 
 
 def run(tokenizer_spec: dict, tasks: list, workers: int):
-  """(index, counts) of each task (index, pieces, rules, path) as it finishes, over `workers` children."""
+  """(index, counts) of each task (index, pieces, rules, path) as it finishes,
+  over `workers` children."""
   procs = [_start() for _ in range(min(workers, len(tasks)))]
   todo, finished = list(reversed(tasks)), False
   try:
@@ -103,7 +106,8 @@ def _do(message: dict) -> dict:
 
 
 def serve(out: int) -> None:
-  """The child: one task (with the tokenizer spec) per JSON line on stdin, one reply line each on `out`."""
+  """The child: one task (with the tokenizer spec) per JSON line on stdin,
+  one reply line each on `out`."""
   with os.fdopen(out, "w") as replies:
     for line in sys.stdin:
       try:

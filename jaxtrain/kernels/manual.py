@@ -1,6 +1,6 @@
-"""Kernels and scans inside shard_map: with check_vma, every value carries the manual mesh axes it varies
-over (`jax.typeof(x).manual_axis_type.varying`, the same spelling in jax 0.10 and 0.11), and a pallas_call's
-out_shape or a scan carry must state it."""
+"""Kernels and scans inside shard_map: with check_vma, every value carries the manual mesh axes it
+varies over (`jax.typeof(x).manual_axis_type.varying`, the same spelling in jax 0.10 and 0.11), and
+a pallas_call's out_shape or a scan carry must state it."""
 
 import jax
 
@@ -12,5 +12,6 @@ def varying_axes(x) -> frozenset:
 
 
 def like(shape, dtype, ref) -> jax.ShapeDtypeStruct:
-  """A pallas_call output of `shape` and `dtype` that varies over the manual axes `ref` varies over."""
+  """A pallas_call output of `shape` and `dtype` that varies over the manual axes `ref` varies
+  over."""
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(ref).manual_axis_type)

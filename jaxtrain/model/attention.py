@@ -1,8 +1,9 @@
 """Grouped-query attention (Ainslie et al., 2023) with rotary positions, document masking and a
 KV cache for autoregressive decoding. MHA is n_kv_heads == n_heads, MQA is n_kv_heads == 1.
 
-Attention takes segment ids and token indices, never a [B, L, S] mask: `attend` picks the implementation
-(`model.attention`) and each builds what it needs; all compute `kernels/attention/reference.attention`."""
+Attention takes segment ids and token indices, never a [B, L, S] mask: `attend` picks the
+implementation (`model.attention`) and each builds what it needs; all compute
+`kernels/attention/reference.attention`."""
 
 import functools
 import logging
@@ -18,8 +19,8 @@ from jaxtrain.model import axes, context, fp8
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
-# auto on CPU: xla (materialized scores) below this many keys, blockwise from it; the measured crossover lies
-# between 1K and 4K tokens (benchmarks/RESULTS.md, "Attention implementations")
+# auto on CPU: xla (materialized scores) below this many keys, blockwise from it; the measured
+# crossover lies between 1K and 4K tokens (benchmarks/RESULTS.md, "Attention implementations")
 CPU_BLOCKWISE_FROM = 2048
 
 
@@ -28,46 +29,60 @@ def dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS):
   r = q_BLHK.shape[2] // k_BSGK.shape[2]
   k_BSHK, v_BSHK = jnp.repeat(k_BSGK, r, axis=2), jnp.repeat(v_BSGK, r, axis=2)
   scale = 1.0 / jnp.sqrt(q_BLHK.shape[-1]).astype(jnp.float32)
-  scores_BHLS = jnp.einsum("BLHK,BSHK->BHLS", q_BLHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+  scores_BHLS = jnp.einsum("BLHK,BSHK->BHLS", q_BLHK, k_BSHK,
+                           preferred_element_type=jnp.float32) * scale
   scores_BHLS = jnp.where(mask_BLS[:, None], scores_BHLS, NEG_INF)
   probs_BHLS = jax.nn.softmax(scores_BHLS, axis=-1).astype(v_BSHK.dtype)
   return jnp.einsum("BHLS,BSHK->BLHK", probs_BHLS, v_BSHK)
 
 
 def xla_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
-  """The [B, H, L, S] scores materialized; a query that may attend no key averages all values (unlike the
-  reference's zeros), which only padding queries do."""
+  """The [B, H, L, S] scores materialized; a query that may attend no key averages all values
+  (unlike the reference's zeros), which only padding queries do."""
   mask_BLS = reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   return dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
 
 
-def blockwise_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
-  """Online softmax over `cfg.attention_block` keys at a time, memory linear in length (also decodes)."""
-  return blockwise.attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
-                             block=cfg.attention_block)
+def blockwise_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                        cfg):
+  """Online softmax over `cfg.attention_block` keys at a time, memory linear in length
+  (also decodes)."""
+  return blockwise.attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,
+                             k_index_BS, block=cfg.attention_block)
 
 
-def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
-  """cuDNN flash attention: causal over in-order indices, one document per row (`choose` guarantees both)."""
-  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=True, implementation="cudnn")
+def cudnn_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                    cfg):
+  """cuDNN flash attention: causal over in-order indices, one document per row
+  (`choose` guarantees both)."""
+  return jax.nn.dot_product_attention(q_BLHK, k_BSGK, v_BSGK, is_causal=True,
+                                      implementation="cudnn")
 
 
-def pallas_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
-  """The Pallas flash-attention kernel (jaxtrain/kernels/flash_attention), by segment ids and indices."""
+def pallas_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                     cfg):
+  """The Pallas flash-attention kernel (jaxtrain/kernels/flash_attention),
+  by segment ids and indices."""
   from jaxtrain.kernels.flash_attention import ops
-  return ops.flash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+  return ops.flash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,
+                             k_index_BS)
 
 
-def splash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg):
-  """TPU splash attention: causal over in-order indices (its mask is static), documents by segment ids."""
+def splash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                     cfg):
+  """TPU splash attention: causal over in-order indices (its mask is static),
+  documents by segment ids."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash
   b, l, h, kd = q_BLHK.shape
   g, s = k_BSGK.shape[2], k_BSGK.shape[1]
-  kernel = splash.make_splash_mqa_single_device(splash.MultiHeadMask([splash.CausalMask((l, s))] * (h // g)))
-  q_BGRLK = jnp.einsum("BLGRK->BGRLK", q_BLHK.reshape(b, l, g, h // g, kd)) / jnp.sqrt(kd).astype(q_BLHK.dtype)
+  kernel = splash.make_splash_mqa_single_device(
+      splash.MultiHeadMask([splash.CausalMask((l, s))] * (h // g)))
+  q_BGRLK = (jnp.einsum("BLGRK->BGRLK", q_BLHK.reshape(b, l, g, h // g, kd))
+             / jnp.sqrt(kd).astype(q_BLHK.dtype))
   k_BGSK, v_BGSK = jnp.einsum("BSGK->BGSK", k_BSGK), jnp.einsum("BSGK->BGSK", v_BSGK)
   per_group = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over kv heads, then over the batch
-  out_BGRLK = jax.vmap(per_group)(q_BGRLK, k_BGSK, v_BGSK, splash.SegmentIds(q_segment_BL, k_segment_BS))
+  out_BGRLK = jax.vmap(per_group)(q_BGRLK, k_BGSK, v_BGSK,
+                                  splash.SegmentIds(q_segment_BL, k_segment_BS))
   return jnp.einsum("BGRLK->BLGRK", out_BGRLK).reshape(b, l, h, kd)
 
 
@@ -88,46 +103,56 @@ def _log_once(message):
 
 
 def choose(cfg, length, packed, in_order, decode=False, backend=None):
-  """The implementation `attend` runs: `cfg.attention` resolved for this backend, key length and batch.
+  """The implementation `attend` runs: `cfg.attention` resolved for this backend, key length and
+  batch.
 
-  `packed`: segment ids may hold several documents or padding per row; `in_order`: indices are arange.
-  cudnn honours neither packed documents nor permuted indices, splash no permuted indices: those batches
-  go to the backend's fallback, said once in the log. Decoding (queries against the whole KV cache, a few
-  queries at a time, memory-bound) runs xla unless blockwise was asked for: the kernels expect L == S."""
+  `packed`: segment ids may hold several documents or padding per row; `in_order`: indices are
+  arange. cudnn honours neither packed documents nor permuted indices, splash no permuted indices:
+  those batches go to the backend's fallback, said once in the log. Decoding (queries against the
+  whole KV cache, a few queries at a time, memory-bound) runs xla unless blockwise was asked for:
+  the kernels expect L == S."""
   backend = backend or jax.default_backend()
   name = cfg.attention
   if name in BACKENDS and backend != BACKENDS[name]:
-    raise ConfigError(f"model.attention={name!r} needs a {BACKENDS[name].upper()}, this is {backend!r}; "
-                      f"use auto, xla or blockwise")
+    raise ConfigError(
+        f"model.attention={name!r} needs a {BACKENDS[name].upper()}, this is {backend!r}; "
+        f"use auto, xla or blockwise")
   if name == "auto":
-    name = {"tpu": "splash", "gpu": "cudnn"}.get(backend, "xla" if length < CPU_BLOCKWISE_FROM else "blockwise")
+    cpu = "xla" if length < CPU_BLOCKWISE_FROM else "blockwise"
+    name = {"tpu": "splash", "gpu": "cudnn"}.get(backend, cpu)
   if decode and name != "blockwise":
     return "xla"
   if name == "cudnn" and packed:
-    _log_once("attention: cudnn cannot mask packed documents (segment ids), using pallas for packed batches")
+    _log_once("attention: cudnn cannot mask packed documents (segment ids), "
+              "using pallas for packed batches")
     return "pallas"
   if name in IN_ORDER_ONLY and not in_order:
     fallback = "pallas" if backend == "gpu" else "xla"
-    _log_once(f"attention: {name} is causal by position only, using {fallback} for permuted token indices")
+    _log_once(f"attention: {name} is causal by position only, "
+              f"using {fallback} for permuted token indices")
     return fallback
   return name
 
 
-def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg, decode=False):
+def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg,
+           decode=False):
   """Softmax attention of q [B, L, H, K] over k, v [B, S, G, K] by segment ids and token indices.
 
-  Segment ids None: one document per row, no padding; indices None: arange (0..L-1 / 0..S-1). Implementation
-  by `choose`; every one equals `kernels/attention/reference.attention` on queries that attend a key."""
+  Segment ids None: one document per row, no padding; indices None: arange (0..L-1 / 0..S-1).
+  Implementation by `choose`; every one equals `kernels/attention/reference.attention` on queries
+  that attend a key."""
   (b, l), s = q_BLHK.shape[:2], k_BSGK.shape[1]
   name = choose(cfg, s, packed=q_segment_BL is not None, in_order=q_index_BL is None, decode=decode)
   if q_segment_BL is None:
     q_segment_BL, k_segment_BS = jnp.ones((b, l), jnp.int32), jnp.ones((b, s), jnp.int32)
   if q_index_BL is None:
-    q_index_BL, k_index_BS = jnp.broadcast_to(jnp.arange(l), (b, l)), jnp.broadcast_to(jnp.arange(s), (b, s))
+    q_index_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
+    k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
   implementation = functools.partial(IMPLEMENTATIONS[name], cfg=cfg)
-  if not decode and context.shards() > 1:  # the sequence is sharded: each shard's queries against all keys
-    return context.context_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
-                                     implementation)
+  # the sequence is sharded: each shard's queries against all keys
+  if not decode and context.shards() > 1:
+    return context.context_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,
+                                     k_index_BS, implementation)
   return implementation(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
 
 
@@ -140,36 +165,45 @@ class Attention(nn.Module):
     c = self.cfg
     pd, cd = c.param_dtype, c.compute_dtype
     std, out_std = c.init_std, c.init_std / (2 * c.n_layers) ** 0.5
-    w_q = param(self, "q", (c.d_model, c.n_heads, c.head_dim), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), pd, std)
-    w_k = param(self, "k", (c.d_model, c.n_kv_heads, c.head_dim), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pd, std)
-    w_v = param(self, "v", (c.d_model, c.n_kv_heads, c.head_dim), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pd, std)
-    w_o = param(self, "o", (c.n_heads, c.head_dim, c.d_model), (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pd, out_std)
+    w_q = param(self, "q", (c.d_model, c.n_heads, c.head_dim),
+                (axes.EMBED, axes.HEADS, axes.HEAD_DIM), pd, std)
+    w_k = param(self, "k", (c.d_model, c.n_kv_heads, c.head_dim),
+                (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pd, std)
+    w_v = param(self, "v", (c.d_model, c.n_kv_heads, c.head_dim),
+                (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), pd, std)
+    w_o = param(self, "o", (c.n_heads, c.head_dim, c.d_model),
+                (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pd, out_std)
 
     x_BLD = x_BLD.astype(cd)
     q_BLHK = fp8.einsum("BLD,DHK->BLHK", x_BLD, w_q.astype(cd), c.fp8)
     k_BLGK = fp8.einsum("BLD,DGK->BLGK", x_BLD, w_k.astype(cd), c.fp8)
     v_BLGK = fp8.einsum("BLD,DGK->BLGK", x_BLD, w_v.astype(cd), c.fp8)
-    q_BLHK = constrain(rope(q_BLHK, positions_BL, c), (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
-    k_BLGK = constrain(rope(k_BLGK, positions_BL, c), (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
+    q_BLHK = constrain(rope(q_BLHK, positions_BL, c),
+                       (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
+    k_BLGK = constrain(rope(k_BLGK, positions_BL, c),
+                       (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
     v_BLGK = constrain(v_BLGK, (axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
 
     if self.decode:
       if segment_ids_BL is None:
         segment_ids_BL = jnp.ones(x_BLD.shape[:2], jnp.int32)
-      k_BSGK, v_BSGK, k_segment_BS, q_index_BL, k_index_BS = self._update_cache(k_BLGK, v_BLGK, segment_ids_BL)
-      out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, k_segment_BS, q_index_BL, k_index_BS, c,
-                        decode=True)
+      k_BSGK, v_BSGK, k_segment_BS, q_index_BL, k_index_BS = self._update_cache(
+          k_BLGK, v_BLGK, segment_ids_BL)
+      out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, k_segment_BS, q_index_BL,
+                        k_index_BS, c, decode=True)
     else:
-      out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL, c)
+      out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL,
+                        c)
     out_BLHK = constrain(out_BLHK, (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
     return fp8.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd), c.fp8)
 
   def _update_cache(self, k_BLGK, v_BLGK, segment_ids_BL):
-    """Writes the new keys/values and segment ids at the cache index; returns the cache (keys, values,
-    segment ids) and the query and key indices.
+    """Writes the new keys/values and segment ids at the cache index; returns the cache (keys,
+    values, segment ids) and the query and key indices.
 
-    Decoding holds one document per row, whose slots count from the cache index: the indices mask future
-    slots, segment id 0 masks unwritten slots and padding (a left-padded prompt's leading pad tokens)."""
+    Decoding holds one document per row, whose slots count from the cache index: the indices mask
+    future slots, segment id 0 masks unwritten slots and padding (a left-padded prompt's leading pad
+    tokens)."""
     b, l, g, kd = k_BLGK.shape
     s = self.cfg.max_seq_len
     cached_k = self.variable("cache", "k", jnp.zeros, (b, s, g, kd), k_BLGK.dtype)
@@ -179,8 +213,8 @@ class Attention(nn.Module):
     i = index.value
     cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k_BLGK, (0, i, 0, 0))
     cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v_BLGK, (0, i, 0, 0))
-    cached_segment.value = jax.lax.dynamic_update_slice(cached_segment.value, segment_ids_BL.astype(jnp.int32),
-                                                        (0, i))
+    cached_segment.value = jax.lax.dynamic_update_slice(cached_segment.value,
+                                                        segment_ids_BL.astype(jnp.int32), (0, i))
     index.value = i + l
     q_index_BL = jnp.broadcast_to(i + jnp.arange(l), (b, l))
     k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))

@@ -16,8 +16,8 @@ def init_cache(model: Transformer, batch_size: int):
 
 def decode_logits(model: Transformer, params, cache, tokens_BL, start, extra=None, pad_B=None):
   """Logits of `tokens_BL` placed at cache slots start.., attending to the cache; returns new cache.
-  `extra`: the model's non-trainable collections (e.g. MoE expert biases), if it has any.
-  `pad_B`: left padding, the number of pad slots at the start of each row (None: none): slots before it are
+  `extra`: the model's non-trainable collections (e.g. MoE expert biases), if it has any. `pad_B`:
+  left padding, the number of pad slots at the start of each row (None: none): slots before it are
   masked out of attention and each row's positions count from its first real token."""
   decoder = model.clone(decode=True)
   slots_BL = start + jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
@@ -25,8 +25,8 @@ def decode_logits(model: Transformer, params, cache, tokens_BL, start, extra=Non
   if pad_B is not None:
     positions_BL = jnp.maximum(slots_BL - pad_B[:, None], 0)
     segment_ids_BL = (slots_BL >= pad_B[:, None]).astype(jnp.int32)
-  logits_BLV, updated = decoder.apply({"params": params, "cache": cache, **(extra or {})}, tokens_BL, positions_BL,
-                                      segment_ids_BL, mutable=["cache"])
+  logits_BLV, updated = decoder.apply({"params": params, "cache": cache, **(extra or {})},
+                                      tokens_BL, positions_BL, segment_ids_BL, mutable=["cache"])
   return logits_BLV, updated["cache"]
 
 
@@ -41,16 +41,17 @@ def sample_token(logits_BV, rng, temperature: float, top_k: int):
   return jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
 
 
-def generate(model: Transformer, params, prompt_BL, rng, max_new_tokens: int, temperature: float, top_k: int,
-             extra=None):
+def generate(model: Transformer, params, prompt_BL, rng, max_new_tokens: int, temperature: float,
+             top_k: int, extra=None):
   """Prompt [B, P] -> new tokens [B, max_new_tokens]. Pure; jit it with the sampling args static.
   ValueError when P + max_new_tokens exceeds max_seq_len (the cache's positions)."""
   b, p = prompt_BL.shape
   if max_new_tokens < 1:
     raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
   if p + max_new_tokens > model.cfg.max_seq_len:
-    raise ValueError(f"generate: prompt length {p} + max_new_tokens {max_new_tokens} = {p + max_new_tokens} "
-                     f"exceeds max_seq_len={model.cfg.max_seq_len}")
+    raise ValueError(
+        f"generate: prompt length {p} + max_new_tokens {max_new_tokens} = {p + max_new_tokens} "
+        f"exceeds max_seq_len={model.cfg.max_seq_len}")
   logits_BLV, cache = decode_logits(model, params, init_cache(model, b), prompt_BL, 0, extra)
   first_B = sample_token(logits_BLV[:, -1], jax.random.fold_in(rng, 0), temperature, top_k)
 

@@ -1,19 +1,22 @@
-"""FP8 matmuls with per-tensor current scaling (`model.fp8`): e4m3 operands forward, e5m2 gradients backward.
+"""FP8 matmuls with per-tensor current scaling (`model.fp8`): e4m3 operands forward, e5m2 gradients
+backward.
 
-Each operand is scaled by amax / fmax of the tensor at hand (current scaling; Micikevicius et al., 2022,
-"FP8 Formats for Deep Learning"), clipped to the format's max, cast to fp8, and the dot accumulates in
-float32 (`preferred_element_type`) before both scales are multiplied back and the result is cast to the
-compute dtype. Backward quantizes the incoming gradient to e5m2 the same way and forms both operand
-gradients as fp8 dots of it with the saved e4m3 operands, so the residuals kept for backward are fp8.
+Each operand is scaled by amax / fmax of the tensor at hand (current scaling; Micikevicius et al.,
+2022, "FP8 Formats for Deep Learning"), clipped to the format's max, cast to fp8, and the dot
+accumulates in float32 (`preferred_element_type`) before both scales are multiplied back and the
+result is cast to the compute dtype. Backward quantizes the incoming gradient to e5m2 the same way
+and forms both operand gradients as fp8 dots of it with the saved e4m3 operands, so the residuals
+kept for backward are fp8.
 
-Why not flax.linen.fp8_ops (flax 0.12.8): it implements delayed scaling only, with the scales and amax
-histories as variables in an `overwrite_with_gradient` collection whose "gradient" is the new value; our
-optimizer chain and train state would have to special-case that collection. Current scaling needs no
-state, so it is a small jax.custom_vjp here; delayed scaling (history in the train state) is not built.
+Why not flax.linen.fp8_ops (flax 0.12.8): it implements delayed scaling only, with the scales and
+amax histories as variables in an `overwrite_with_gradient` collection whose "gradient" is the new
+value; our optimizer chain and train state would have to special-case that collection. Current
+scaling needs no state, so it is a small jax.custom_vjp here; delayed scaling (history in the train
+state) is not built.
 
-On XLA:CPU an fp8 dot is emulated (fp8 -> f32 converts, then an f32 dot): the numerics are fp8's, the speed
-is not. On H100/H200 XLA lowers fp8 x fp8 -> f32 dots to cuBLASLt fp8 GEMMs.
-Callers: dense matmuls (attention q/k/v/o, MLP, expert matmuls). Router, embedding, output head and the
+On XLA:CPU an fp8 dot is emulated (fp8 -> f32 converts, then an f32 dot): the numerics are fp8's,
+the speed is not. On H100/H200 XLA lowers fp8 x fp8 -> f32 dots to cuBLASLt fp8 GEMMs. Callers:
+dense matmuls (attention q/k/v/o, MLP, expert matmuls). Router, embedding, output head and the
 attention core (scores, probs x values) stay in the compute dtype or float32.
 """
 
@@ -27,7 +30,8 @@ MODES = ("off", "current")  # config.FP8 mirrors this
 
 
 def quantize(x, dtype):
-  """(x / scale cast to `dtype`, float32 scale) with scale = amax(|x|) / fmax (1 for an all-zero x)."""
+  """(x / scale cast to `dtype`, float32 scale) with scale = amax(|x|) / fmax
+  (1 for an all-zero x)."""
   fmax = float(jnp.finfo(dtype).max)
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x))
@@ -38,8 +42,10 @@ def quantize(x, dtype):
 def _specs(spec):
   inputs, out = spec.replace(" ", "").split("->")
   x_spec, w_spec = inputs.split(",")
-  if not set(x_spec) <= set(out + w_spec) or not set(w_spec) <= set(out + x_spec) or len(set(out)) < len(out):
-    raise ValueError(f"fp8 einsum {spec!r}: every operand index must appear in the output or the other operand")
+  if (not set(x_spec) <= set(out + w_spec) or not set(w_spec) <= set(out + x_spec)
+      or len(set(out)) < len(out)):
+    raise ValueError(
+        f"fp8 einsum {spec!r}: every operand index must appear in the output or the other operand")
   return x_spec, w_spec, out
 
 

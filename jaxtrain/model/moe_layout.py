@@ -45,15 +45,16 @@ class Tiles(NamedTuple):
 
 
 def tile_layout(experts_A, n_experts, max_rows, tile) -> Tiles:
-  """Rows of every expert's assignments, padded per expert to a multiple of `tile`. `max_rows` bounds
-  the real assignments, so T = ceil(max_rows / tile) + E tiles always suffice."""
+  """Rows of every expert's assignments, padded per expert to a multiple of `tile`. `max_rows`
+  bounds the real assignments, so T = ceil(max_rows / tile) + E tiles always suffice."""
   a = experts_A.shape[0]
   order_A, _, sizes_E, rank_A = (t[0] for t in sort_by_expert(experts_A[None], n_experts))
   n_tiles = -(-max_rows // tile) + n_experts
   tiles_E = -(-sizes_E // tile)
   first_E = jnp.cumsum(tiles_E) - tiles_E  # first tile of each expert
   iota_T = jnp.arange(n_tiles, dtype=jnp.int32)
-  ended_TE = (first_E + tiles_E)[None, :] <= iota_T[:, None]  # (jnp.searchsorted fails in shard_map, jax 0.10)
+  # (jnp.searchsorted fails in shard_map, jax 0.10)
+  ended_TE = (first_E + tiles_E)[None, :] <= iota_T[:, None]
   expert_T = jnp.minimum(jnp.sum(ended_TE, axis=1, dtype=jnp.int32), n_experts - 1)
   real_A = experts_A < n_experts
   row_A = jnp.where(real_A, first_E[jnp.minimum(experts_A, n_experts - 1)] * tile + rank_A, 0)
@@ -73,8 +74,8 @@ def tile_size(max_rows, n_experts):
 
 
 class Slots(NamedTuple):
-  """The capacity layout of R rows: assignments (a = j * L + l, choice j of token l) <-> slots of the
-  expert-major buffers [E, R, C] (slot q = (e * R + r) * C + c)."""
+  """The capacity layout of R rows: assignments (a = j * L + l, choice j of token l) <-> slots of
+  the expert-major buffers [E, R, C] (slot q = (e * R + r) * C + c)."""
   keep_RA: jax.Array    # bool: the assignment has a slot (not dropped, not padding)
   slot_RA: jax.Array    # its slot (0 when not kept)
   source_Q: jax.Array   # which assignment slot q holds, as r * A + a (0 when empty)
@@ -85,12 +86,12 @@ class Slots(NamedTuple):
 def capacity_slots(experts_RLk, valid_RL, n_experts, capacity_factor) -> Slots:
   """Buffer slot of every assignment under the capacity rule.
 
-  A group is one row (sequence) of L tokens. Its capacity is C_row = ceil(capacity_factor * n * k / E)
-  with n the row's valid tokens (computed in float32); buffers hold C = ceil(capacity_factor * L * k / E)
-  >= C_row slots per expert. Priority (GShard/Switch): every first choice before any second choice,
-  and so on; within one choice, tokens in order. An expert keeps its first C_row assignments and drops
-  the rest. Both directions of the map come from one stable sort by expert, so that dispatch and
-  combine are gathers (no scatter), forward and backward (`take`).
+  A group is one row (sequence) of L tokens. Its capacity is C_row = ceil(capacity_factor * n * k /
+  E) with n the row's valid tokens (computed in float32); buffers hold C = ceil(capacity_factor * L
+  * k / E) >= C_row slots per expert. Priority (GShard/Switch): every first choice before any second
+  choice, and so on; within one choice, tokens in order. An expert keeps its first C_row assignments
+  and drops the rest. Both directions of the map come from one stable sort by expert, so that
+  dispatch and combine are gathers (no scatter), forward and backward (`take`).
   """
   r, l, k = experts_RLk.shape
   a, e = l * k, n_experts
@@ -108,7 +109,8 @@ def capacity_slots(experts_RLk, valid_RL, n_experts, capacity_factor) -> Slots:
   position_ERC = jnp.minimum(starts_ER[..., None] + iota_C, a - 1)
   source_ERC = row_R1[None] * a + order_RA[row_R1[None], position_ERC]
   filled_ERC = iota_C < jnp.minimum(sizes_RE, cap_R[:, None]).T[..., None]
-  return Slots(keep_RA, slot_RA, jnp.where(filled_ERC, source_ERC, 0).reshape(-1), filled_ERC.reshape(-1), c)
+  return Slots(keep_RA, slot_RA,
+               jnp.where(filled_ERC, source_ERC, 0).reshape(-1), filled_ERC.reshape(-1), c)
 
 
 def gather_sum(src_ID, index_MJ, mask_MJ):
@@ -117,7 +119,8 @@ def gather_sum(src_ID, index_MJ, mask_MJ):
                     jnp.zeros((), src_ID.dtype)) for j in range(index_MJ.shape[1])]
   if len(rows) == 1:
     return rows[0]
-  # J gathers added elementwise: XLA:CPU ran one [M, J, D] gather reduced over J slower (benchmarks/RESULTS.md)
+  # J gathers added elementwise: XLA:CPU ran one [M, J, D] gather reduced over J slower
+  # (benchmarks/RESULTS.md)
   return functools.reduce(jnp.add, [row.astype(jnp.float32) for row in rows]).astype(src_ID.dtype)
 
 
@@ -148,4 +151,5 @@ def combine(out_QD, gates_Nk, slot_Nk, keep_Nk, pair_Q, filled_Q):
   over k fuse and no [N, k, D] array is made."""
   gate_Q = take(gates_Nk.reshape(-1, 1), pair_Q[:, None], filled_Q[:, None], slot_Nk.reshape(-1, 1),
                 keep_Nk.reshape(-1, 1))
-  return take(out_QD.astype(jnp.float32) * gate_Q, slot_Nk, keep_Nk, pair_Q[:, None], filled_Q[:, None])
+  return take(
+      out_QD.astype(jnp.float32) * gate_Q, slot_Nk, keep_Nk, pair_Q[:, None], filled_Q[:, None])

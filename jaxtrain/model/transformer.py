@@ -25,8 +25,9 @@ REMAT_POLICIES = {
 
 
 class AddRMSNorm(nn.Module):
-  """residual + x, then RMSNorm, as one op (jaxtrain/kernels/rms_norm) of implementation `impl`: (normed, sum).
-  Its parameter is RMSNorm's ("scale", ones), so either module reads the same checkpoint."""
+  """residual + x, then RMSNorm, as one op (jaxtrain/kernels/rms_norm) of implementation `impl`:
+  (normed, sum). Its parameter is RMSNorm's ("scale", ones), so either module reads the same
+  checkpoint."""
   eps: float
   param_dtype: jnp.dtype
   impl: str
@@ -38,7 +39,8 @@ class AddRMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm decoder layer (dense or MoE feed-forward); the scan body: returns (carry, MoE stats)."""
+  """One pre-norm decoder layer (dense or MoE feed-forward); the scan body: returns
+  (carry, MoE stats)."""
   cfg: ModelConfig
   decode: bool = False
   moe: bool = False
@@ -52,7 +54,8 @@ class Block(nn.Module):
       x_BLD = x_BLD + a_BLD
       h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
     else:
-      h_BLD, x_BLD = AddRMSNorm(c.norm_eps, c.param_dtype, c.fused_norm, name="mlp_norm")(a_BLD, x_BLD)
+      h_BLD, x_BLD = AddRMSNorm(c.norm_eps, c.param_dtype, c.fused_norm, name="mlp_norm")(a_BLD,
+                                                                                          x_BLD)
     stats = None
     if self.moe:
       y_BLD, stats = MoeMlp(c, name="moe")(h_BLD, valid_BL)
@@ -76,7 +79,8 @@ class Group(nn.Module):
 
 
 def layer_plan(cfg: ModelConfig) -> list[tuple[str, str, int]]:
-  """The scans of the decoder, in order: (parameter name, kind, length); kind is dense, moe or group.
+  """The scans of the decoder, in order: (parameter name, kind, length); kind is dense, moe or
+  group.
 
   Dense model: [("layers", "dense", n_layers)]. MoE: the first `moe_first_dense` layers under
   `dense_layers`, then under `layers` either every layer MoE or groups of `moe_every` layers."""
@@ -114,18 +118,21 @@ class Transformer(nn.Module):
   """tokens [B, L] -> float32 logits [B, L, V]. Set `decode=True` to run with a KV cache.
 
   `segment_ids_BL` (0 = padding) None: one document per row. `indices_BL`: each token's place in its
-  un-permuted row, which orders attention causally (context parallelism permutes rows); None: arange.
-  `return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses the
-  output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`)."""
+  un-permuted row, which orders attention causally (context parallelism permutes rows); None:
+  arange. `return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a
+  loss that fuses the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed`
+  or `unembed`)."""
   cfg: ModelConfig
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None, return_hidden=False):
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None,
+               return_hidden=False):
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    embed_VD = param(self, "embed", (c.vocab_size, c.d_model), (axes.VOCAB, axes.EMBED), c.param_dtype, c.init_std)
+    embed_VD = param(self, "embed", (c.vocab_size, c.d_model), (axes.VOCAB, axes.EMBED),
+                     c.param_dtype, c.init_std)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.compute_dtype)
     x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
     valid_BL = jnp.ones(tokens_BL.shape, bool) if segment_ids_BL is None else segment_ids_BL > 0
@@ -137,14 +144,15 @@ class Transformer(nn.Module):
     x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
     if return_hidden:
       if not c.tie_embeddings:  # created all the same: one parameter tree whatever the caller asks
-        param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB), c.param_dtype, c.init_std)
+        param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB), c.param_dtype,
+              c.init_std)
       return x_BLD
     if c.tie_embeddings:
       logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, embed_VD.astype(c.compute_dtype),
                               preferred_element_type=jnp.float32)
     else:
-      unembed_DV = param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB), c.param_dtype,
-                         c.init_std)
+      unembed_DV = param(self, "unembed", (c.d_model, c.vocab_size), (axes.EMBED, axes.VOCAB),
+                         c.param_dtype, c.init_std)
       logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, unembed_DV.astype(c.compute_dtype),
                               preferred_element_type=jnp.float32)
     return constrain(logits_BLV, (axes.BATCH, axes.SEQ, axes.VOCAB))

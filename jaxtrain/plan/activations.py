@@ -1,15 +1,16 @@
-"""Per-device bytes of what one train step holds beside the state, as two phases whose peak is the step's:
-the backward pass (gradients, the activations kept under the remat policy, one layer's backward temporaries,
-attention scores, the loss's logits) and the optimizer update (gradient, update and moment temporaries of
-every parameter together).
+"""Per-device bytes of what one train step holds beside the state, as two phases whose peak is the
+step's: the backward pass (gradients, the activations kept under the remat policy, one layer's
+backward temporaries, attention scores, the loss's logits) and the optimizer update (gradient,
+update and moment temporaries of every parameter together).
 
-Counts are per local token of one microbatch (B_local = batch / data-like ways / microbatches rows of L
-tokens) in units of the widths: D + HK (embed, q and attention out), F (mlp hidden), H S (the [B, H, L, S]
-scores of the xla implementation; H x block for blockwise and the fused kernels). Which arrays each remat
-policy keeps follows jaxtrain/model/transformer.py: SAVED. How many copies of each a backend holds (Scales):
-XLA_CPU is XLA:CPU's buffer assignment, fitted on 24 compiled steps of 2- and 4-layer models and checked
-leaving each one out (benchmarks/RESULTS.md, "Planner"); BY_COUNT, for GPU and TPU, is the counts
-themselves, an estimate not yet checked against a compiled step there.
+Counts are per local token of one microbatch (B_local = batch / data-like ways / microbatches rows
+of L tokens) in units of the widths: D + HK (embed, q and attention out), F (mlp hidden), H S (the
+[B, H, L, S] scores of the xla implementation; H x block for blockwise and the fused kernels). Which
+arrays each remat policy keeps follows jaxtrain/model/transformer.py: SAVED. How many copies of each
+a backend holds (Scales): XLA_CPU is XLA:CPU's buffer assignment, fitted on 24 compiled steps of 2-
+and 4-layer models and checked leaving each one out (benchmarks/RESULTS.md, "Planner"); BY_COUNT,
+for GPU and TPU, is the counts themselves, an estimate not yet checked against a compiled step
+there.
 """
 
 import dataclasses
@@ -19,33 +20,35 @@ from jaxtrain.config import ModelConfig
 
 F32 = 4
 
-# Arrays of each width saved per layer and token for the backward pass: (D + HK, F, H S).
-#   none: x, h, x2, h2 and q, o (4 (D + HK) / 2); gate, up, silu(gate) * up (3 F); scores and probs (2 HS)
-#   dots: outputs of matmuls: q, k, v, attention out, o-proj, down-proj (3 (D + HK) / 2), gate, up (2 F), scores
-#   full: the layer's input (D + HK) / 2, everything else recomputed in the backward pass
+# Arrays of each width saved per layer and token for the backward pass: (D + HK, F, H S). none: x,
+# h, x2, h2 and q, o (4 (D + HK) / 2); gate, up, silu(gate) * up (3 F); scores and probs (2 HS)
+# dots: outputs of matmuls: q, k, v, attention out, o-proj, down-proj (3 (D + HK) / 2), gate, up (2
+# F), scores full: the layer's input (D + HK) / 2, everything else recomputed in the backward pass
 SAVED = {"none": (2.0, 3, 2), "dots": (1.5, 2, 1), "full": (0.5, 0, 0)}
 @dataclasses.dataclass(frozen=True)
 class Scales:
   """How many copies of each count a backend's buffer assignment holds at the step's peak."""
   saved: dict  # remat policy -> copies of SAVED per layer (scanned layers)
   unrolled: float  # copies of "none"'s SAVED per layer, and of the gradient, for unrolled layers
-  transient: float  # x (3, 3, 3): one layer's backward, its residuals recomputed and their gradients
+  # x (3, 3, 3): one layer's backward, its residuals recomputed and their gradients
+  transient: float
   logits: float  # x [tokens, V] float32 (full cross-entropy)
   grads: float  # x params: the gradient (and its stacked copy in a scan)
   gathered: float  # x params x (fsdp - 1) x 2 / layers: the all-gathered weights of two layers
-  optimizer: float  # x params: gradient, update and the moments' new values before they land in the state
+  # x params: gradient, update and the moments' new values before they land in the state
+  optimizer: float
   optimizer_tokens: float  # x tokens x D x 4: what of the batch is still alive at the update
 
 
-# XLA:CPU, fitted on compiled steps. Unrolled layers: remat changes nothing there (nn.remat's prevent_cse=False
-# lets XLA merge the recomputation with the forward pass outside a scan; none, dots and full compiled to the
-# same bytes), so every policy keeps what "none" keeps.
-XLA_CPU = Scales(saved={"none": 1.75, "dots": 1.0, "full": 5.0}, unrolled=1.25, transient=1.2, logits=1.2,
-                 grads=2.0, gathered=1.0, optimizer=4.2, optimizer_tokens=1.5)
-# GPU and TPU: the counts themselves (XLA fuses the elementwise ops and updates the moments in place), not yet
-# checked against a compiled step there; remat is assumed to take effect.
-BY_COUNT = Scales(saved={"none": 1.0, "dots": 1.0, "full": 1.0}, unrolled=1.0, transient=1.0, logits=2.0,
-                  grads=1.0, gathered=1.0, optimizer=2.0, optimizer_tokens=0.0)
+# XLA:CPU, fitted on compiled steps. Unrolled layers: remat changes nothing there (nn.remat's
+# prevent_cse=False lets XLA merge the recomputation with the forward pass outside a scan; none,
+# dots and full compiled to the same bytes), so every policy keeps what "none" keeps.
+XLA_CPU = Scales(saved={"none": 1.75, "dots": 1.0, "full": 5.0}, unrolled=1.25, transient=1.2,
+                 logits=1.2, grads=2.0, gathered=1.0, optimizer=4.2, optimizer_tokens=1.5)
+# GPU and TPU: the counts themselves (XLA fuses the elementwise ops and updates the moments in
+# place), not yet checked against a compiled step there; remat is assumed to take effect.
+BY_COUNT = Scales(saved={"none": 1.0, "dots": 1.0, "full": 1.0}, unrolled=1.0, transient=1.0,
+                  logits=2.0, grads=1.0, gathered=1.0, optimizer=2.0, optimizer_tokens=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +61,23 @@ class Widths:
 
 
 def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str) -> Widths:
-  """`attention`: the implementation that will run (xla materializes H x S scores per token; the blockwise
-  and fused kernels hold H x block)."""
+  """`attention`: the implementation that will run (xla materializes H x S scores per token; the
+  blockwise and fused kernels hold H x block)."""
   f = m.top_k * m.expert_d_ff + m.n_shared_experts * m.expert_d_ff if m.n_experts else m.d_ff
   keys = seq_len if attention == "xla" else min(m.attention_block, seq_len)
-  return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor, m.n_heads * keys // tensor)
+  return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor,
+                m.n_heads * keys // tensor)
 
 
 def scanned(m: ModelConfig) -> bool:
-  """Whether the layers run as a loop: a scan of one layer is no loop (XLA removes a trip count of one)."""
+  """Whether the layers run as a loop: a scan of one layer is no loop
+  (XLA removes a trip count of one)."""
   return m.scan_layers and m.n_layers > 1
 
 
 def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int, k: Scales) -> dict:
-  """{"activations", "attention_temps"} of the backward phase for `tokens` local tokens of one microbatch."""
+  """{"activations", "attention_temps"} of the backward phase for `tokens` local tokens of one
+  microbatch."""
   remat = m.remat if scanned(m) or k is BY_COUNT else "none"
   s_d, s_f, s_s = SAVED[remat]
   layers = m.n_layers * (k.saved[remat] if scanned(m) or k is BY_COUNT else k.unrolled)
@@ -83,7 +89,8 @@ def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int, k: Sc
 
 def loss_bytes(tokens: int, vocab: int, tensor: int, impl: str, token_chunk: int, vocab_chunk: int,
                k: Scales) -> int:
-  """The [tokens, V] float32 logits and their gradient (full), or one tile of them (chunked, pallas)."""
+  """The [tokens, V] float32 logits and their gradient (full), or one tile of them
+  (chunked, pallas)."""
   v = -(-vocab // tensor)
   if impl != "full":
     tokens, v = min(tokens, token_chunk), min(v, vocab_chunk)
@@ -100,5 +107,6 @@ def optimizer_bytes(params_bytes: int, tokens: int, d_model: int, k: Scales) -> 
   return int(k.optimizer * params_bytes + k.optimizer_tokens * tokens * d_model * F32)
 
 
-def microbatch_tokens(batch: int, seq_len: int, data_ways: int, context: int, microbatches: int) -> int:
+def microbatch_tokens(batch: int, seq_len: int, data_ways: int, context: int,
+                      microbatches: int) -> int:
   return math.ceil(batch / data_ways / microbatches) * seq_len // context

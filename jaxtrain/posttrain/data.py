@@ -1,16 +1,16 @@
-"""Post-training data, host side (numpy): JSONL rows -> token ids with a completion mask -> packed [B, L]
-batches (SFT) or [B, 2, L] preference pairs (reward models, DPO).
+"""Post-training data, host side (numpy): JSONL rows -> token ids with a completion mask -> packed
+[B, L] batches (SFT) or [B, 2, L] preference pairs (reward models, DPO).
 
-Rows: `prompt` + `completion` (text: BOS + prompt + completion + EOS, no template, as TRL treats plain
-text), or a chat `messages` list of {role, content} (prompt/completion/chosen/rejected may be such lists too).
-Chats go through the tokenizer's own template when it has one (a `chat_template` in the tokenizer_config.json
-beside a tokenizer.json, rendered with jinja2), else DEFAULT_TEMPLATE:
+Rows: `prompt` + `completion` (text: BOS + prompt + completion + EOS, no template, as TRL treats
+plain text), or a chat `messages` list of {role, content} (prompt/completion/chosen/rejected may be
+such lists too). Chats go through the tokenizer's own template when it has one (a `chat_template` in
+the tokenizer_config.json beside a tokenizer.json, rendered with jinja2), else DEFAULT_TEMPLATE:
 
   <|system|>\\n{content}\\n   <|user|>\\n{content}\\n   <|assistant|>\\n{content}<EOS>
 
-Only completion (assistant) tokens carry loss. A bad row (no such field, an empty completion, a prompt that
-leaves no room in the context, text the tokenizer cannot encode, broken JSON) is counted and skipped; a file
-that cannot be read is one ConfigError line.
+Only completion (assistant) tokens carry loss. A bad row (no such field, an empty completion, a
+prompt that leaves no room in the context, text the tokenizer cannot encode, broken JSON) is counted
+and skipped; a file that cannot be read is one ConfigError line.
 """
 
 import json
@@ -21,8 +21,10 @@ import numpy as np
 from jaxtrain import config as config_lib, data as data_lib
 from jaxtrain.data import tokenizers
 
-DEFAULT_TEMPLATE = "<|{role}|>\n{content}\n"  # a non-assistant turn; an assistant turn: "<|assistant|>\n" content EOS
-SKIPS = ("bad_json", "missing_field", "empty_completion", "prompt_too_long", "unencodable", "template")
+# a non-assistant turn; an assistant turn: "<|assistant|>\n" content EOS
+DEFAULT_TEMPLATE = "<|{role}|>\n{content}\n"
+SKIPS = ("bad_json", "missing_field", "empty_completion", "prompt_too_long", "unencodable",
+         "template")
 SYNTHETIC_DIR = "posttrain_data"
 
 
@@ -60,7 +62,8 @@ def chat_template(tokenizer):
 
 
 class Encoder:
-  """Text and chats -> (ids, mask) with mask 1 on completion tokens; `max_tokens` bounds a sequence."""
+  """Text and chats -> (ids, mask) with mask 1 on completion tokens;
+  `max_tokens` bounds a sequence."""
 
   def __init__(self, tokenizer, max_tokens: int):
     self.tok, self.max_tokens = tokenizer, max_tokens
@@ -70,11 +73,13 @@ class Encoder:
       try:
         import jinja2
       except ImportError as e:
-        raise config_lib.ConfigError(f"{tokenizer.path}: its chat template needs jinja2 (pip install jinja2)") from e
+        raise config_lib.ConfigError(
+            f"{tokenizer.path}: its chat template needs jinja2 (pip install jinja2)") from e
       try:
         self.template = jinja2.Environment(keep_trailing_newline=True).from_string(found[0])
       except jinja2.TemplateError as e:
-        raise config_lib.ConfigError(f"{tokenizer.path}: its chat template does not parse: {e}") from e
+        raise config_lib.ConfigError(
+            f"{tokenizer.path}: its chat template does not parse: {e}") from e
       self.special = found[1]
 
   def _encode(self, text: str) -> list[int]:
@@ -102,7 +107,8 @@ class Encoder:
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns or any(not messages[i]["content"].strip() for i in turns):
       raise Skip("empty_completion")
-    return self._hf_chat(messages, turns) if self.template is not None else self._default_chat(messages)
+    return self._hf_chat(messages,
+                         turns) if self.template is not None else self._default_chat(messages)
 
   def _default_chat(self, messages):
     out, text = [([self.tok.bos], 0)], ""
@@ -116,10 +122,12 @@ class Encoder:
     return out
 
   def _hf_chat(self, messages, turns):
-    """Pieces from renders of growing prefixes: a turn's completion is what rendering it adds after the
-    generation prompt (its template must render a prefix of the conversation as a prefix of the text).
-    Special tokens in the rendered text are encoded as their ids; BOS/EOS come from the template."""
-    names = {"bos_token": self.special.id_to_token(self.tok.bos), "eos_token": self.special.id_to_token(self.tok.eos)}
+    """Pieces from renders of growing prefixes: a turn's completion is what rendering it adds after
+    the generation prompt (its template must render a prefix of the conversation as a prefix of the
+    text). Special tokens in the rendered text are encoded as their ids; BOS/EOS come from the
+    template."""
+    names = {"bos_token": self.special.id_to_token(self.tok.bos),
+             "eos_token": self.special.id_to_token(self.tok.eos)}
     def render(ms, gen):
       try:
         return self.template.render(messages=ms, add_generation_prompt=gen, **names)
@@ -131,7 +139,8 @@ class Encoder:
       if not (before.startswith(done) and full.startswith(before)):
         raise Skip("template")
       out.append((self._special(before[len(done):]), 0))
-      out.append((self._special(full[len(before):]), 1))  # the template ends the turn (its own end token)
+      # the template ends the turn (its own end token)
+      out.append((self._special(full[len(before):]), 1))
       done = full
     return out
 
@@ -173,15 +182,16 @@ def read_jsonl(path: str) -> tuple[list, int]:
 
 
 def encode_rows(rows, encoder: Encoder, p, pairs: bool):
-  """Examples (SFT: (ids, mask); pairs: ((ids, mask), (ids, mask))) and counts of kept, skipped by reason
-  and truncated rows."""
+  """Examples (SFT: (ids, mask); pairs: ((ids, mask), (ids, mask))) and counts of kept, skipped by
+  reason and truncated rows."""
   examples, counts = [], dict.fromkeys(SKIPS + ("truncated",), 0)
   for row in rows:
     try:
       if pairs:
         if not all(k in row for k in (p.prompt_field, p.chosen_field, p.rejected_field)):
           raise Skip("missing_field")
-        two = [encoder.example(row[p.prompt_field], row[k]) for k in (p.chosen_field, p.rejected_field)]
+        two = [encoder.example(row[p.prompt_field], row[k])
+               for k in (p.chosen_field, p.rejected_field)]
         examples.append(tuple((ids, mask) for ids, mask, _ in two))
         counts["truncated"] += any(t for _, _, t in two)
       else:
@@ -218,7 +228,8 @@ def synthetic_rows(n: int, symbols: int, seed: int, pairs: bool) -> list[dict]:
       wrong = answer.copy()
       k = int(rng.integers(len(wrong)))
       wrong[k] = (wrong[k] + 1 + rng.integers(symbols - 1)) % symbols
-      row = {"prompt": prompt, "chosen": row["completion"], "rejected": " ".join(map(str, wrong)) + " >"}
+      row = {"prompt": prompt, "chosen": row["completion"],
+             "rejected": " ".join(map(str, wrong)) + " >"}
     rows.append(row)
   return rows
 
@@ -233,14 +244,16 @@ def write_jsonl(rows, path: str) -> str:
 
 
 def split_rows(cfg, workdir: str, pairs: bool) -> dict:
-  """{"train": rows, "eval": rows, "bad_json": n}: posttrain.train_path (or the synthetic task, written
-  into WORKDIR/posttrain_data) and posttrain.eval_path, else a fixed eval_fraction of the train rows."""
+  """{"train": rows, "eval": rows, "bad_json": n}: posttrain.train_path (or the synthetic task,
+  written into WORKDIR/posttrain_data) and posttrain.eval_path, else a fixed eval_fraction of the
+  train rows."""
   p = cfg.posttrain
   path = p.train_path
   if not path:
     symbols = cfg.data.symbols if cfg.data.kind == "synthetic" else 10
     rows = synthetic_rows(p.synthetic_examples, symbols, cfg.train.seed, pairs)
-    path = write_jsonl(rows, os.path.join(workdir, SYNTHETIC_DIR, "pairs.jsonl" if pairs else "sft.jsonl"))
+    path = write_jsonl(
+        rows, os.path.join(workdir, SYNTHETIC_DIR, "pairs.jsonl" if pairs else "sft.jsonl"))
   rows, bad = read_jsonl(path)
   if p.eval_path:
     held, bad_eval = read_jsonl(p.eval_path)
@@ -255,7 +268,8 @@ def split_rows(cfg, workdir: str, pairs: bool) -> dict:
 # ---- batches ----
 
 def pack(lengths, capacity: int) -> list[list[int]]:
-  """Example indices per row, in order: each row takes examples while they fit (lengths <= capacity)."""
+  """Example indices per row, in order: each row takes examples while they fit
+  (lengths <= capacity)."""
   rows, row, used = [], [], 0
   for i, n in enumerate(lengths):
     if row and used + n > capacity:
@@ -267,12 +281,13 @@ def pack(lengths, capacity: int) -> list[list[int]]:
 
 
 class Batches:
-  """Rows lo:hi of consecutive global batches of `batch_size` rows; epochs of the examples in a fresh order
-  each (train) or once in file order, then empty rows (eval). Random access by batch index, which is the
-  whole state (exact resume). `render(example indices) -> dict of arrays` makes one row."""
+  """Rows lo:hi of consecutive global batches of `batch_size` rows; epochs of the examples in a
+  fresh order each (train) or once in file order, then empty rows (eval). Random access by batch
+  index, which is the whole state (exact resume). `render(example indices) -> dict of arrays` makes
+  one row."""
 
-  def __init__(self, n_examples: int, lengths, capacity: int, batch_size: int, lo: int, hi: int, seed: int,
-               shuffle: bool, render):
+  def __init__(self, n_examples: int, lengths, capacity: int, batch_size: int, lo: int, hi: int,
+               seed: int, shuffle: bool, render):
     self.n, self.lengths, self.capacity, self.batch_size = n_examples, lengths, capacity, batch_size
     self.lo, self.hi, self.seed, self.shuffle, self.render = lo, hi, seed, shuffle, render
     self.index, self.epochs = 0, []  # epochs: packed rows of each epoch computed so far
@@ -280,9 +295,10 @@ class Batches:
   def _epoch(self, e: int) -> list[list[int]]:
     while len(self.epochs) <= e:
       k = len(self.epochs)
-      order = np.random.default_rng([self.seed, k]).permutation(self.n) if self.shuffle else np.arange(self.n)
-      self.epochs.append([[int(order[i]) for i in row] for row in pack([self.lengths[i] for i in order],
-                                                                        self.capacity)])
+      order = (np.random.default_rng([self.seed, k]).permutation(self.n) if self.shuffle
+               else np.arange(self.n))
+      self.epochs.append([[int(order[i]) for i in row]
+                          for row in pack([self.lengths[i] for i in order], self.capacity)])
     return self.epochs[e]
 
   def row(self, g: int) -> list[int]:
@@ -299,7 +315,8 @@ class Batches:
     return self
 
   def __next__(self) -> dict:
-    rows = [self.render(self.row(self.index * self.batch_size + r)) for r in range(self.lo, self.hi)]
+    rows = [self.render(self.row(self.index * self.batch_size + r))
+            for r in range(self.lo, self.hi)]
     self.index += 1
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
@@ -311,10 +328,12 @@ class Batches:
 
 
 def sft_row(examples, seq_len: int):
-  """`indices -> row`: the examples packed into one [L] row (inputs, targets, segment_ids 1.. per example,
-  positions restarting at 0, loss_mask on completion targets); attention never crosses examples."""
+  """`indices -> row`: the examples packed into one [L] row (inputs, targets, segment_ids 1.. per
+  example, positions restarting at 0, loss_mask on completion targets); attention never crosses
+  examples."""
   def render(indices):
-    row = {k: np.zeros(seq_len, np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+    row = {k: np.zeros(seq_len, np.int32)
+           for k in ("inputs", "targets", "segment_ids", "positions")}
     row["loss_mask"] = np.zeros(seq_len, np.float32)
     at = 0
     for s, i in enumerate(indices, 1):
@@ -329,8 +348,9 @@ def sft_row(examples, seq_len: int):
 
 
 def pair_row(examples, seq_len: int):
-  """`indices -> row`: one preference pair as [2, L] (chosen, rejected) full sequences: tokens, segment_ids
-  (1 on tokens, 0 padding), positions, completion_mask; `valid` 0 for an empty (padding) row."""
+  """`indices -> row`: one preference pair as [2, L] (chosen, rejected) full sequences: tokens,
+  segment_ids (1 on tokens, 0 padding), positions, completion_mask; `valid` 0 for an empty (padding)
+  row."""
   def render(indices):
     row = {k: np.zeros((2, seq_len), np.int32) for k in ("tokens", "segment_ids", "positions")}
     row["completion_mask"] = np.zeros((2, seq_len), np.float32)
@@ -338,28 +358,31 @@ def pair_row(examples, seq_len: int):
     for i in indices:
       for t, (ids, mask) in enumerate(examples[i]):
         n = len(ids)
-        row["tokens"][t, :n], row["segment_ids"][t, :n], row["positions"][t, :n] = ids, 1, np.arange(n)
+        row["tokens"][t, :n], row["segment_ids"][t, :n], row["positions"][t, :n] = (
+            ids, 1, np.arange(n))
         row["completion_mask"][t, :n] = mask
     return row
   return render
 
 
 class Data:
-  """A task's encoded splits: `Data(cfg, workdir, pairs)`; `.batches(split, lo, hi)`, `.counts` (kept and
-  skipped rows by reason, per split)."""
+  """A task's encoded splits: `Data(cfg, workdir, pairs)`; `.batches(split, lo, hi)`, `.counts`
+  (kept and skipped rows by reason, per split)."""
 
   def __init__(self, cfg, workdir: str, pairs: bool):
     t = cfg.train
     self.cfg, self.pairs, self.seq_len = cfg, pairs, t.seq_len
     self.tokenizer = make_tokenizer(cfg, workdir)
     if getattr(self.tokenizer, "vocab_size", 0) > cfg.model.vocab_size:
-      raise config_lib.ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} ids, more than model.vocab_size="
-                                   f"{cfg.model.vocab_size}")
+      raise config_lib.ConfigError(
+          f"the tokenizer has {self.tokenizer.vocab_size} ids, more than model.vocab_size="
+          f"{cfg.model.vocab_size}")
     encoder = Encoder(self.tokenizer, t.seq_len if pairs else t.seq_len + 1)
     split = split_rows(cfg, workdir, pairs)
     self.examples, self.counts = {}, {}
     for name in ("train", "eval"):
-      self.examples[name], self.counts[name] = encode_rows(split[name], encoder, cfg.posttrain, pairs)
+      self.examples[name], self.counts[name] = encode_rows(split[name], encoder, cfg.posttrain,
+                                                           pairs)
       self.counts[name]["examples"] = len(self.examples[name])
     self.counts["train"]["bad_json"] += split["bad_json"]
     if not self.examples["train"]:
@@ -369,8 +392,9 @@ class Data:
     c = self.counts[split]
     skipped = {k: v for k, v in c.items() if k in SKIPS and v}
     why = ", ".join(f"{k} {v}" for k, v in skipped.items())
-    return (f"{split}: {c['examples']} examples, {sum(skipped.values())} skipped" + (f" ({why})" if why else "")
-            + (f", {c['truncated']} truncated" if c["truncated"] else ""))
+    return (f"{split}: {c['examples']} examples, {sum(skipped.values())} skipped" +
+            (f" ({why})" if why else "") +
+            (f", {c['truncated']} truncated" if c["truncated"] else ""))
 
   def batches(self, split: str, lo: int, hi: int) -> Batches:
     examples = self.examples[split]
@@ -379,4 +403,5 @@ class Data:
     else:
       lengths, render = [len(ids) - 1 for ids, _ in examples], sft_row(examples, self.seq_len)
     t = self.cfg.train
-    return Batches(len(examples), lengths, self.seq_len, t.batch_size, lo, hi, t.seed, split == "train", render)
+    return Batches(len(examples), lengths, self.seq_len, t.batch_size, lo, hi, t.seed,
+                   split == "train", render)

@@ -1,18 +1,19 @@
 """GRPO on the loop (train.task="grpo"), and what it shares with PPO (posttrain/ppo.py): `RlTask`.
 
-Each step, `make_batch` (the loop's seam, train/task.py) turns the fed batch of prompts into a training
-batch: a jitted rollout on the training mesh with the state's current params (no copy), group_size samples
-per prompt; the responses decoded on the host and scored by the reward functions (posttrain/rewards.py,
-names and weights from posttrain.rewards, or callables passed to the task; a reward model's score added
-when posttrain.reward_model names one); their log-probs under the sampler (logp_old) and under the frozen
-reference (task_state, sharded like the policy, the checkpoint.init_from params like DPO's); GRPO's group
-advantages. The step's loss is then rl.grpo_loss on the policy's log-probs: one optimizer step per rollout
-batch. Rollout keys are fold_in(seed, step): resuming mid-run samples what the uninterrupted run samples.
+Each step, `make_batch` (the loop's seam, core/task.py) turns the fed batch of prompts into a
+training batch: a jitted rollout on the training mesh with the state's current params (no copy),
+group_size samples per prompt; the responses decoded on the host and scored by the reward functions
+(posttrain/rewards.py, names and weights from posttrain.rewards, or callables passed to the task; a
+reward model's score added when posttrain.reward_model names one); their log-probs under the sampler
+(logp_old) and under the frozen reference (task_state, sharded like the policy, the
+checkpoint.init_from params like DPO's); GRPO's group advantages. The step's loss is then
+rl.grpo_loss on the policy's log-probs: one optimizer step per rollout batch. Rollout keys are
+fold_in(seed, step): resuming mid-run samples what the uninterrupted run samples.
 
-Bad input never stops a run: a reward function that raises or returns a non-finite value is counted (by
-kind and by function, logged every step) and its samples get 0; a prompt longer than the prompt slots
-(train.seq_len - max_new_tokens) is skipped and counted (train_skipped). Single process for now (the
-responses are decoded on the host that holds them all).
+Bad input never stops a run: a reward function that raises or returns a non-finite value is counted
+(by kind and by function, logged every step) and its samples get 0; a prompt longer than the prompt
+slots (train.seq_len - max_new_tokens) is skipped and counted (train_skipped). Single process for
+now (the responses are decoded on the host that holds them all).
 
 From Python, with a reward function of your own:
 
@@ -39,14 +40,16 @@ _KEY_TAG = 0x5EED  # rollout keys: fold_in(fold_in(key(seed), _KEY_TAG), step)
 
 
 def _rewards():
-  """posttrain/rewards.py, imported when a task is built: importing it (and exact.py) with the package would
-  make `python -m jaxtrain.posttrain.exact` warn that the module was already imported."""
+  """posttrain/rewards.py, imported when a task is built: importing it (and exact.py) with the
+  package would make `python -m jaxtrain.posttrain.exact` warn that the module was already
+  imported."""
   from jaxtrain.posttrain import rewards
   return rewards
 
 
 def parse_rewards(spec: str) -> list[tuple[str, float]]:
-  """"exact_match:1.0,format:0.5" -> [("exact_match", 1.0), ("format", 0.5)] (weight 1 when omitted)."""
+  """"exact_match:1.0,format:0.5" -> [("exact_match", 1.0), ("format", 0.5)]
+  (weight 1 when omitted)."""
   out = []
   for item in (s.strip() for s in spec.split(",")):
     if not item:
@@ -55,17 +58,19 @@ def parse_rewards(spec: str) -> list[tuple[str, float]]:
     try:
       out.append((name.strip(), float(weight) if weight else 1.0))
     except ValueError:
-      raise config_lib.ConfigError(f"posttrain.rewards: {item!r} is not name or name:weight") from None
+      raise config_lib.ConfigError(
+          f"posttrain.rewards: {item!r} is not name or name:weight") from None
   return out
 
 
 class Prompts:
-  """The RL prompts: JSONL rows with a prompt field (other fields go to the reward functions), encoded as
-  BOS + prompt, left-padded to `width` slots; rows that do not fit, lack the field, or do not parse are
-  counted and skipped."""
+  """The RL prompts: JSONL rows with a prompt field (other fields go to the reward functions),
+  encoded as BOS + prompt, left-padded to `width` slots; rows that do not fit, lack the field, or do
+  not parse are counted and skipped."""
 
   def __init__(self, path: str, tokenizer, width: int, prompt_field: str):
-    self.counts = {"examples": 0, "prompt_too_long": 0, "missing_field": 0, "bad_json": 0, "unencodable": 0}
+    self.counts = {"examples": 0, "prompt_too_long": 0, "missing_field": 0, "bad_json": 0,
+                   "unencodable": 0}
     self.texts, self.fields, ids = [], [], []
     try:
       with open(path, encoding="utf-8") as f:
@@ -101,7 +106,8 @@ class Prompts:
     for r, x in enumerate(ids):
       self.ids_RP[r, width - len(x):] = x  # left padding
     keys = set(self.fields[0])
-    self.field_names = sorted(k for k in keys if all(k in f for f in self.fields))  # fields every row has
+    # fields every row has
+    self.field_names = sorted(k for k in keys if all(k in f for f in self.fields))
 
 
 class PromptBatches:
@@ -109,7 +115,8 @@ class PromptBatches:
   State: the number of batches drawn (exact resume)."""
 
   def __init__(self, prompts: Prompts, batch_size: int, seed: int, lo: int, hi: int):
-    self.p, self.batch_size, self.seed, self.lo, self.hi, self.drawn = prompts, batch_size, seed, lo, hi, 0
+    self.p, self.batch_size, self.seed = prompts, batch_size, seed
+    self.lo, self.hi, self.drawn = lo, hi, 0
 
   def rows(self, index: int) -> np.ndarray:
     n = len(self.p.lens_R)
@@ -127,7 +134,8 @@ class PromptBatches:
   def __next__(self) -> dict:
     rows = self.rows(self.drawn)[self.lo:self.hi]
     self.drawn += 1
-    return {"prompts": self.p.ids_RP[rows], "prompt_lens": self.p.lens_R[rows], "row": rows.astype(np.int32)}
+    return {"prompts": self.p.ids_RP[rows], "prompt_lens": self.p.lens_R[rows],
+            "row": rows.astype(np.int32)}
 
   def get_state(self) -> dict:
     return {"drawn": self.drawn}
@@ -137,8 +145,8 @@ class PromptBatches:
 
 
 class RlTask(Task):
-  """What GRPO and PPO share: the decoder, prompts, rollouts, rewards and the reference. `rewards`: any spec
-  rewards.resolve takes (names, callables, (fn, weight) pairs); None: posttrain.rewards."""
+  """What GRPO and PPO share: the decoder, prompts, rollouts, rewards and the reference. `rewards`:
+  any spec rewards.resolve takes (names, callables, (fn, weight) pairs); None: posttrain.rewards."""
   group_size: int
 
   def __init__(self, cfg, workdir: str, rewards=None):
@@ -162,13 +170,17 @@ class RlTask(Task):
       rm = load_reward_model(self.p.reward_model)
 
       def reward_model(prompts, completions, **_):
-        """The reward model's score of BOS + prompt + completion + EOS (its tokenizer; an empty completion
-        too), with its params replicated on the training mesh, which the loop has in context."""
-        if self._mesh is not None and getattr(rm.params["embed"].sharding, "mesh", None) != self._mesh:
+        """The reward model's score of BOS + prompt + completion + EOS (its tokenizer; an empty
+        completion too), with its params replicated on the training mesh, which the loop has in
+        context."""
+        if self._mesh is not None and getattr(rm.params["embed"].sharding, "mesh",
+                                              None) != self._mesh:
           rm.params = jax.device_put(rm.params, NamedSharding(self._mesh, PartitionSpec()))
         tok, limit = rm.tokenizer, rm.model.cfg.max_seq_len
-        ids = [([tok.bos] + [int(i) for i in tok.encode(p)] + [int(i) for i in tok.encode(c)])[:limit - 1] + [tok.eos]
-               for p, c in zip(prompts, completions)]
+        ids = [([tok.bos] + [int(i)
+                             for i in tok.encode(p)] + [int(i)
+                                                        for i in tok.encode(c)])[:limit - 1] +
+               [tok.eos] for p, c in zip(prompts, completions)]
         tokens_NL = np.zeros((len(ids), max(len(x) for x in ids)), np.int32)
         for row, x in enumerate(ids):
           tokens_NL[row, :len(x)] = x
@@ -201,15 +213,17 @@ class RlTask(Task):
     return self._prompts
 
   def _write_addition_prompts(self) -> str:
-    """WORKDIR/posttrain_data/rl.jsonl: synthetic_examples addition prompts {prompt, answer} (exact.py's SFT
-    problems, none held out)."""
+    """WORKDIR/posttrain_data/rl.jsonl: synthetic_examples addition prompts {prompt, answer}
+    (exact.py's SFT problems, none held out)."""
     path = os.path.join(self.workdir, data_lib.SYNTHETIC_DIR, RL_FILE)
     if not os.path.isfile(path):
       from jaxtrain.posttrain import exact
-      rows = exact.make_sets(0, int(self.p.synthetic_examples), 0, 0, 0.0, int(self.cfg.train.seed))["sft"]
+      rows = exact.make_sets(0, int(self.p.synthetic_examples), 0, 0, 0.0,
+                             int(self.cfg.train.seed))["sft"]
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in rows)
+        f.writelines(
+            json.dumps({"prompt": r["prompt"], "answer": r["completion"]}) + "\n" for r in rows)
       os.replace(path + ".tmp", path)
     return path
 
@@ -222,24 +236,28 @@ class RlTask(Task):
 
   def batches(self, split, lo, hi):
     if split != "train":
-      raise config_lib.ConfigError(f"train.task={self.cfg.train.task!r} has no eval split (train.eval_every=0)")
+      raise config_lib.ConfigError(
+          f"train.task={self.cfg.train.task!r} has no eval split (train.eval_every=0)")
     return PromptBatches(self.prompts, self.batch_size, int(self.cfg.train.seed), lo, hi)
 
   def constants(self):
     c = self.prompts.counts
-    return {"train_examples": c["examples"], "train_skipped": sum(v for k, v in c.items() if k != "examples"),
+    return {"train_examples": c["examples"],
+            "train_skipped": sum(v for k, v in c.items() if k != "examples"),
             "prompts_too_long": c["prompt_too_long"]}
 
   def sizes(self):
-    return {"params": param_count(self.model.cfg), "active_params": param_count(self.model.cfg, active=True)}
+    return {"params": param_count(self.model.cfg),
+            "active_params": param_count(self.model.cfg, active=True)}
 
   # ---- state ----
 
   def init(self, rng):
     variables = self.model.init(rng, jnp.zeros((1, self.cfg.train.seq_len), jnp.int32))
     if set(variables) != {"params"}:
-      raise config_lib.ConfigError(f"train.task={self.cfg.train.task!r} runs dense decoders (model.n_experts=0) "
-                                   "for now")
+      raise config_lib.ConfigError(
+          f"train.task={self.cfg.train.task!r} runs dense decoders (model.n_experts=0) "
+          "for now")
     params = variables["params"]
     return params, {}, ({"reference": params} if self.p.kl_coef > 0 else {})
 
@@ -254,22 +272,29 @@ class RlTask(Task):
 
   def _sample(self, params, prompts_BP, lens_B, rng, **sampling):
     prompts_NP, lens_N = rollout_lib.repeat_groups(prompts_BP, lens_B, self.group_size)
-    return rollout_lib.rollout(self.model, self.decoder(params), prompts_NP, lens_N, rng, **sampling)
+    return rollout_lib.rollout(self.model, self.decoder(params), prompts_NP, lens_N, rng,
+                               **sampling)
 
   def rollout_key(self, step: int):
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(int(self.cfg.train.seed)), _KEY_TAG), step)
+    return jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(int(self.cfg.train.seed)), _KEY_TAG), step)
 
   def make_batch(self, params, extra, task_state, batch, step):
     prompts_BP, lens_B = batch["prompts"], batch["prompt_lens"]
     self._mesh = prompts_BP.sharding.mesh
-    if self._rollout is None:  # jitted once the mesh is known: the batch leaves laid out as a fed one
+    # jitted once the mesh is known: the batch leaves laid out as a fed one
+    if self._rollout is None:
       p = self.p
-      self._prepare = jax.jit(self.prepare_arrays, out_shardings=parallel.batch_sharding(self._mesh))
-      self._rollout = jax.jit(functools.partial(
-          self._sample, max_new_tokens=p.max_new_tokens, temperature=float(p.temperature), top_k=int(p.top_k),
-          top_p=float(p.top_p), stop_tokens=(int(self.tokenizer.eos),), pad_id=0))
+      self._prepare = jax.jit(self.prepare_arrays,
+                              out_shardings=parallel.batch_sharding(self._mesh))
+      self._rollout = jax.jit(
+          functools.partial(self._sample, max_new_tokens=p.max_new_tokens,
+                            temperature=float(p.temperature), top_k=int(p.top_k),
+                            top_p=float(p.top_p), stop_tokens=(int(self.tokenizer.eos),),
+                            pad_id=0))
     out = self._rollout(params, prompts_BP, lens_B, self.rollout_key(step))
-    tokens_NT, mask_NT = np.asarray(jax.device_get(out.tokens_BN)), np.asarray(jax.device_get(out.mask_BN))
+    tokens_NT = np.asarray(jax.device_get(out.tokens_BN))
+    mask_NT = np.asarray(jax.device_get(out.mask_BN))
     rows_N = np.repeat(np.asarray(jax.device_get(batch["row"])), self.group_size)
     eos = int(self.tokenizer.eos)
     completions = [self.tokenizer.decode([int(i) for i in row[m > 0] if i != eos])
@@ -279,7 +304,8 @@ class RlTask(Task):
     reward_N, counts = _rewards().evaluate(self.reward_fns, texts, completions, **fields)
     host = {"reward": np.asarray(reward_N, np.float32)}
     if "answer" in fields:  # the task's accuracy: exact answers
-      host["correct"] = np.asarray(_rewards().exact_match(texts, completions, answer=fields["answer"]), np.float32)
+      host["correct"] = np.asarray(
+          _rewards().exact_match(texts, completions, answer=fields["answer"]), np.float32)
     for kind in _rewards().FAULTS:  # counts on row 0: summed over rows by the loss
       host[f"faults_{kind}"] = _on_row0(counts["total"][kind], len(reward_N))
     for label in self.labels:
@@ -291,9 +317,10 @@ class RlTask(Task):
   def prepare_arrays(self, params, task_state, prompts_BP, lens_B, out, reward_N):
     """The jitted part of the batch after the rewards: inputs, masks, log-probs, advantages."""
     prompts_NP, lens_N = rollout_lib.repeat_groups(prompts_BP, lens_B, self.group_size)
-    tokens_NL, positions_NL, segment_NL = rollout_lib.sequence_inputs(prompts_NP, lens_N, out.tokens_BN)
-    arrays = {"tokens": tokens_NL, "positions": positions_NL, "segment_ids": segment_NL, "mask": out.mask_BN,
-              "logp_old": out.logp_BN}
+    tokens_NL, positions_NL, segment_NL = rollout_lib.sequence_inputs(prompts_NP, lens_N,
+                                                                      out.tokens_BN)
+    arrays = {"tokens": tokens_NL, "positions": positions_NL, "segment_ids": segment_NL,
+              "mask": out.mask_BN, "logp_old": out.logp_BN}
     if task_state:
       logits_NTV = self.response_logits(self.decoder(task_state["reference"]), arrays)
       arrays["logp_ref"] = jax.lax.stop_gradient(self.token_logps(logits_NTV, arrays))
@@ -307,7 +334,8 @@ class RlTask(Task):
   # ---- the policy's view of a batch ----
 
   def response_logits(self, decoder, batch, return_hidden=False):
-    """Logits [N, T, V] predicting the response tokens (and the hidden states [N, T, D] before them)."""
+    """Logits [N, T, V] predicting the response tokens
+    (and the hidden states [N, T, D] before them)."""
     out = self.model.apply({"params": decoder}, batch["tokens"][:, :-1], batch["positions"][:, :-1],
                            batch["segment_ids"][:, :-1], return_hidden=return_hidden)
     t = batch["mask"].shape[1]
@@ -325,7 +353,8 @@ class RlTask(Task):
     return logits_NTV.astype(jnp.float32) / self.p.temperature
 
   def token_logps(self, logits_NTV, batch):
-    return rl.token_logprobs(self.scaled(logits_NTV), batch["tokens"][:, self.width:]) * batch["mask"]
+    return rl.token_logprobs(self.scaled(logits_NTV), batch["tokens"][:,
+                                                                      self.width:]) * batch["mask"]
 
   def host_sums(self, batch) -> dict:
     """The rollouts' statistics as sums over samples (metrics divides by "samples")."""
@@ -342,12 +371,14 @@ class RlTask(Task):
   def metrics(self, sums, parts):
     count, n = jnp.maximum(sums["count"], 1.0), jnp.maximum(sums["samples"], 1.0)
     out = {"loss": sums["loss"] / count}
-    for k in ("policy_loss", "value_loss", "kl", "entropy", "clip_fraction", "value_clip_fraction", "approx_kl"):
+    for k in ("policy_loss", "value_loss", "kl", "entropy", "clip_fraction", "value_clip_fraction",
+              "approx_kl"):
       if k in sums:
         out[k] = sums[k] / count
     mean = sums["reward"] / n
-    out.update(reward_mean=mean, reward_std=jnp.sqrt(jnp.maximum(sums["reward_sq"] / n - jnp.square(mean), 0.0)),
-               response_length=sums["length"] / n)
+    out.update(reward_mean=mean,
+               reward_std=jnp.sqrt(jnp.maximum(sums["reward_sq"] / n - jnp.square(mean),
+                                               0.0)), response_length=sums["length"] / n)
     if "correct" in sums:
       out["accuracy"] = sums["correct"] / n
     out.update({"reward_faults_" + k.removeprefix("faults_").removeprefix("by_"): v
@@ -362,7 +393,8 @@ def _on_row0(value, n: int) -> np.ndarray:
 
 
 def _as_list(spec) -> list:
-  """A rewards spec as a list of items (names, callables, pairs); a dict as its (name, weight) items."""
+  """A rewards spec as a list of items (names, callables, pairs); a dict as its
+  (name, weight) items."""
   if hasattr(spec, "items"):
     return list(spec.items())
   if isinstance(spec, (list, tuple)) and not _rewards()._is_pair(spec):
@@ -381,7 +413,8 @@ def _unique(labels):
 
 
 class Grpo(RlTask):
-  """train.task = "grpo": group advantages, the clipped surrogate and beta * k3 KL to the reference."""
+  """train.task = "grpo": group advantages,
+  the clipped surrogate and beta * k3 KL to the reference."""
 
   def advantages(self, params, arrays, reward_N):
     reward_BG = reward_N.reshape(-1, self.group_size)
@@ -392,7 +425,7 @@ class Grpo(RlTask):
     p = self.p
     logits_NTV = self.response_logits(params, batch)
     logp_NT = self.token_logps(logits_NTV, batch)
-    objective, sums = rl.grpo_loss(logp_NT, batch["logp_old"], batch["logp_ref"], batch["advantages"],
-                                   batch["mask"], p.clip_eps, p.kl_coef, how=p.aggregate,
-                                   entropy_BT=rl.entropy(self.scaled(logits_NTV)))
+    objective, sums = rl.grpo_loss(logp_NT, batch["logp_old"], batch["logp_ref"],
+                                   batch["advantages"], batch["mask"], p.clip_eps, p.kl_coef,
+                                   how=p.aggregate, entropy_BT=rl.entropy(self.scaled(logits_NTV)))
     return objective, {**sums, **self.host_sums(batch)}

@@ -1,12 +1,14 @@
-"""PPO on the loop (train.task="ppo"): the rollouts, rewards and reference of GRPO (posttrain/grpo.py), with a
-value head, GAE and the KL penalty in the rewards (InstructGPT, Ouyang et al., 2022).
+"""PPO on the loop (train.task="ppo"): the rollouts, rewards and reference of GRPO
+(posttrain/grpo.py), with a value head, GAE and the KL penalty in the rewards (InstructGPT, Ouyang
+et al., 2022).
 
-The value head is a scalar head like the reward model's (posttrain/reward.py) on the policy's final hidden
-states, trained jointly: params = {decoder..., "value_head": {"w": [D], "b": []}}. In `make_batch`, after the
-rewards: the values of the sampling params at each response token (V_old), per-token rewards = -kl_coef *
-k1(logp_old, logp_ref) with the sequence's reward added on its last token (rl.kl_penalized_rewards), then
-rl.gae -> advantages (whitened over the batch's response tokens) and returns. The loss: rl.ppo_policy_loss
-+ value_coef * rl.ppo_value_loss, one optimizer step per rollout batch.
+The value head is a scalar head like the reward model's (posttrain/reward.py) on the policy's final
+hidden states, trained jointly: params = {decoder..., "value_head": {"w": [D], "b": []}}. In
+`make_batch`, after the rewards: the values of the sampling params at each response token (V_old),
+per-token rewards = -kl_coef * k1(logp_old, logp_ref) with the sequence's reward added on its last
+token (rl.kl_penalized_rewards), then rl.gae -> advantages (whitened over the batch's response
+tokens) and returns. The loss: rl.ppo_policy_loss + value_coef * rl.ppo_value_loss, one optimizer
+step per rollout batch.
 """
 
 import flax.linen as nn
@@ -34,8 +36,8 @@ class Ppo(RlTask):
   def init(self, rng):
     params, extra, task_state = super().init(jax.random.fold_in(rng, 0))
     d = self.model.cfg.d_model
-    w = nn.with_logical_partitioning(nn.initializers.zeros_init(), (axes.EMBED,))(jax.random.fold_in(rng, 1),
-                                                                                  (d,), jnp.float32)
+    w = nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                     (axes.EMBED,))(jax.random.fold_in(rng, 1), (d,), jnp.float32)
     return {**params, HEAD: {"w": w, "b": jnp.zeros((), jnp.float32)}}, extra, task_state
 
   def init_from(self, params, task_state, load):
@@ -58,7 +60,8 @@ class Ppo(RlTask):
   def advantages(self, params, arrays, reward_N):
     p, mask_NT = self.p, arrays["mask"]
     values_NT = jax.lax.stop_gradient(self.policy(params, arrays)[1])
-    rewards_NT = rl.kl_penalized_rewards(reward_N, arrays["logp_old"], arrays["logp_ref"], mask_NT, p.kl_coef)
+    rewards_NT = rl.kl_penalized_rewards(reward_N, arrays["logp_old"], arrays["logp_ref"], mask_NT,
+                                         p.kl_coef)
     adv_NT, returns_NT = rl.gae(rewards_NT, values_NT, mask_NT, p.gamma, p.lam)
     return {"advantages": whiten(adv_NT, mask_NT), "returns": returns_NT, "values_old": values_NT}
 
@@ -67,14 +70,15 @@ class Ppo(RlTask):
     p, mask_NT = self.p, batch["mask"]
     logits_NTV, values_NT = self.policy(params, batch)
     logp_NT = self.token_logps(logits_NTV, batch)
-    policy_loss, sums = rl.ppo_policy_loss(logp_NT, batch["logp_old"], batch["advantages"], mask_NT, p.clip_eps,
-                                           how=p.aggregate)
-    value_loss, value_sums = rl.ppo_value_loss(values_NT, batch["values_old"], batch["returns"], mask_NT,
-                                               p.value_clip, how=p.aggregate)
+    policy_loss, sums = rl.ppo_policy_loss(logp_NT, batch["logp_old"], batch["advantages"], mask_NT,
+                                           p.clip_eps, how=p.aggregate)
+    value_loss, value_sums = rl.ppo_value_loss(values_NT, batch["values_old"], batch["returns"],
+                                               mask_NT, p.value_clip, how=p.aggregate)
     objective = policy_loss + p.value_coef * value_loss
     stop = jax.lax.stop_gradient
-    sums.update(loss=objective, value_loss=value_sums["value_loss"],
-                value_clip_fraction=value_sums["value_clip_fraction"],
-                kl=rl.aggregate(stop(rl.kl_k3(logp_NT, batch["logp_ref"])), mask_NT, p.aggregate)[0],
-                entropy=rl.aggregate(stop(rl.entropy(self.scaled(logits_NTV))), mask_NT, p.aggregate)[0])
+    sums.update(
+        loss=objective, value_loss=value_sums["value_loss"],
+        value_clip_fraction=value_sums["value_clip_fraction"],
+        kl=rl.aggregate(stop(rl.kl_k3(logp_NT, batch["logp_ref"])), mask_NT, p.aggregate)[0],
+        entropy=rl.aggregate(stop(rl.entropy(self.scaled(logits_NTV))), mask_NT, p.aggregate)[0])
     return objective, {**sums, **self.host_sums(batch)}

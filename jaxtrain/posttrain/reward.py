@@ -1,7 +1,7 @@
-"""Reward models: the decoder with a scalar head on its final hidden state at the last token of a sequence
-(the completion's EOS), trained with the Bradley-Terry loss on [B, 2, L] preference pairs; metrics: loss,
-accuracy (chosen scored higher), margin, on the train batches and held-out pairs. The run is saved like any
-other; `load_reward_model(workdir)` turns it into a reward function for RL."""
+"""Reward models: the decoder with a scalar head on its final hidden state at the last token of a
+sequence (the completion's EOS), trained with the Bradley-Terry loss on [B, 2, L] preference pairs;
+metrics: loss, accuracy (chosen scored higher), margin, on the train batches and held-out pairs. The
+run is saved like any other; `load_reward_model(workdir)` turns it into a reward function for RL."""
 
 import flax.linen as nn
 import jax
@@ -17,9 +17,11 @@ HEAD = "reward_head"  # the params entry beside the decoder's: {"w": [D], "b": [
 
 
 def scores(model, params, tokens_NL, positions_NL, segment_ids_NL):
-  """The head's score of each sequence [N] at its last token (segment ids: 1 on tokens, 0 padding)."""
+  """The head's score of each sequence [N] at its last token
+  (segment ids: 1 on tokens, 0 padding)."""
   decoder = {k: v for k, v in params.items() if k != HEAD}
-  hidden_NLD = model.apply({"params": decoder}, tokens_NL, positions_NL, segment_ids_NL, return_hidden=True)
+  hidden_NLD = model.apply({"params": decoder}, tokens_NL, positions_NL, segment_ids_NL,
+                           return_hidden=True)
   last_N = jnp.maximum(jnp.sum(segment_ids_NL > 0, axis=-1) - 1, 0)
   h_ND = jnp.take_along_axis(hidden_NLD, last_N[:, None, None], axis=1)[:, 0].astype(jnp.float32)
   return h_ND @ params[HEAD]["w"].astype(jnp.float32) + params[HEAD]["b"]
@@ -34,8 +36,8 @@ class RewardModel(DataTask):
     if extra:
       raise ValueError("train.task='rm' runs dense decoders (model.n_experts=0) for now")
     d = self.model.cfg.d_model
-    w = nn.with_logical_partitioning(nn.initializers.normal(d ** -0.5), (axes.EMBED,))(jax.random.fold_in(rng, 1),
-                                                                                      (d,), jnp.float32)
+    w_init = nn.with_logical_partitioning(nn.initializers.normal(d ** -0.5), (axes.EMBED,))
+    w = w_init(jax.random.fold_in(rng, 1), (d,), jnp.float32)
     return {**params, HEAD: {"w": w, "b": jnp.zeros((), jnp.float32)}}, extra, {}
 
   def init_from(self, params, task_state, load):
@@ -46,7 +48,8 @@ class RewardModel(DataTask):
   def _pair_scores(self, params, batch):
     b, two, length = batch["tokens"].shape
     flat = lambda k: batch[k].reshape(b * two, length)
-    return scores(self.model, params, flat("tokens"), flat("positions"), flat("segment_ids")).reshape(b, two)
+    return scores(self.model, params, flat("tokens"), flat("positions"),
+                  flat("segment_ids")).reshape(b, two)
 
   def loss(self, params, batch, extra, task_state):
     p = self.cfg.posttrain
@@ -56,19 +59,20 @@ class RewardModel(DataTask):
     loss = jnp.sum(per_pair * valid_B)
     margin_B = score_BT[:, 0] - score_BT[:, 1]
     return loss + jnp.sum(center_B * valid_B), {
-        "loss": loss, "accuracy": jnp.sum((margin_B > 0) * valid_B), "margin": jnp.sum(margin_B * valid_B),
-        "count": jnp.sum(valid_B)}
+        "loss": loss, "accuracy": jnp.sum((margin_B > 0) * valid_B),
+        "margin": jnp.sum(margin_B * valid_B), "count": jnp.sum(valid_B)}
 
 
 class RewardFunction:
-  """A trained reward model as a function: `rm(tokens_NL, lengths_N) -> scores [N]` (numpy; each row's
-  first lengths[i] tokens, BOS included, are the sequence), and `rm.texts(prompts, completions)` through
-  the run's tokenizer and data rules."""
+  """A trained reward model as a function: `rm(tokens_NL, lengths_N) -> scores [N]` (numpy; each
+  row's first lengths[i] tokens, BOS included, are the sequence), and `rm.texts(prompts,
+  completions)` through the run's tokenizer and data rules."""
 
   def __init__(self, cfg, params, workdir: str):
     from jaxtrain.posttrain import data as data_lib
     if HEAD not in params:
-      raise config_lib.ConfigError(f"{workdir}: not a reward model run (its params have no {HEAD!r})")
+      raise config_lib.ConfigError(
+          f"{workdir}: not a reward model run (its params have no {HEAD!r})")
     self.cfg, self.model = cfg, Transformer(ModelConfig.from_config(cfg.model))
     self.params = jax.device_put(params, jax.local_devices()[0])
     self.tokenizer = data_lib.make_tokenizer(cfg, workdir)

@@ -1,6 +1,7 @@
-"""Supervised fine-tuning: next-token cross-entropy on completion (assistant) tokens only, summed over
-them, of packed prompt/completion or chat examples (posttrain/data.py); metrics: loss and completion-token
-accuracy, on the train batches and the held-out split. Starts from `checkpoint.init_from` like any run."""
+"""Supervised fine-tuning: next-token cross-entropy on completion (assistant) tokens only, summed
+over them, of packed prompt/completion or chat examples (posttrain/data.py); metrics: loss and
+completion-token accuracy, on the train batches and the held-out split. Starts from
+`checkpoint.init_from` like any run."""
 
 import jax.numpy as jnp
 
@@ -51,7 +52,8 @@ class DataTask(Task):
             "eval_examples": c["eval"]["examples"], "eval_skipped": skipped("eval")}
 
   def sizes(self):
-    return {"params": param_count(self.model.cfg), "active_params": param_count(self.model.cfg, active=True)}
+    return {"params": param_count(self.model.cfg),
+            "active_params": param_count(self.model.cfg, active=True)}
 
   def metrics(self, sums, parts):
     """Each sum per unit (a pair), 0 for a batch without one."""
@@ -68,8 +70,9 @@ class Sft(DataTask):
   """train.task = "sft"."""
 
   def _sums(self, params, extra, batch):
-    logits_BLV, aux = self.model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                                       batch["segment_ids"], mutable=["moe_stats"])
+    logits_BLV, aux = self.model.apply({"params": params, **extra}, batch["inputs"],
+                                       batch["positions"], batch["segment_ids"],
+                                       mutable=["moe_stats"])
     mask_BL = batch["loss_mask"]
     ce, _, tokens = lm.cross_entropy(logits_BLV, batch["targets"], mask_BL, 0.0)
     correct = jnp.sum((jnp.argmax(logits_BLV, axis=-1) == batch["targets"]) * mask_BL)
@@ -79,14 +82,17 @@ class Sft(DataTask):
     del task_state
     sums, moe = self._sums(params, extra, batch)
     objective = sums["ce"]
-    if moe:  # the MoE router losses, token means weighted by this batch's tokens (as in train/lm.py)
+    # the MoE router losses, token means weighted by this batch's tokens (as in core/lm.py)
+    if moe:
       c = self.model.cfg
-      objective = objective + sums["count"] * (c.aux_loss_weight * moe["aux_loss"] + c.router_z_weight * moe["z_loss"])
+      objective = objective + sums["count"] * (c.aux_loss_weight * moe["aux_loss"] +
+                                               c.router_z_weight * moe["z_loss"])
     return objective, {**sums, "moe": moe}
 
   def metrics(self, sums, parts):
     tokens = jnp.maximum(sums["count"], 1.0)
-    return {"loss": sums["ce"] / tokens, "accuracy": sums["correct"] / tokens, "tokens": sums["count"]}
+    return {"loss": sums["ce"] / tokens, "accuracy": sums["correct"] / tokens,
+            "tokens": sums["count"]}
 
   def update_extra(self, extra, sums, parts):
     rate = self.model.cfg.bias_update_rate

@@ -1,9 +1,10 @@
-"""Attention by segment ids and token indices, in plain jnp: the definition every implementation is tested
-against. It materializes the [B, H, L, S] scores, so it is for tests and short sequences.
+"""Attention by segment ids and token indices, in plain jnp: the definition every implementation is
+tested against. It materializes the [B, H, L, S] scores, so it is for tests and short sequences.
 
-Shapes (jaxtrain/model/axes.py): q [B, L, H, K], k and v [B, S, G, K] with H a multiple of G (grouped-query
-attention; G = 1 is MQA); segment ids [B, L] / [B, S], 0 = padding; indices [B, L] / [B, S], each token's
-place in its un-permuted row, which orders it causally (context parallelism permutes the rows).
+Shapes (jaxtrain/model/axes.py): q [B, L, H, K], k and v [B, S, G, K] with H a multiple of G
+(grouped-query attention; G = 1 is MQA); segment ids [B, L] / [B, S], 0 = padding; indices [B, L] /
+[B, S], each token's place in its un-permuted row, which orders it causally (context parallelism
+permutes the rows).
 """
 
 import jax
@@ -11,13 +12,15 @@ import jax.numpy as jnp
 
 
 def mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS):
-  """[B, L, S] True where a query may attend a key: the same non-padding document, key not in the future."""
+  """[B, L, S] True where a query may attend a key: the same non-padding document,
+  key not in the future."""
   same_doc = (q_segment_BL[:, :, None] == k_segment_BS[:, None, :]) & (k_segment_BS[:, None, :] > 0)
   return same_doc & (k_index_BS[:, None, :] <= q_index_BL[:, :, None])
 
 
 def attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS):
-  """Softmax(q k^T / sqrt(K)) v in float32, out in q's dtype; a query that may attend no key gets zeros."""
+  """Softmax(q k^T / sqrt(K)) v in float32, out in q's dtype;
+  a query that may attend no key gets zeros."""
   b, l, h, kd = q_BLHK.shape
   g = k_BSGK.shape[2]
   q_BLGRK = q_BLHK.reshape(b, l, g, h // g, kd).astype(jnp.float32)

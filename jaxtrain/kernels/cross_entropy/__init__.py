@@ -1,1 +1,2 @@
-"""Output projection fused with cross-entropy and z-loss, never materializing [tokens, vocab] logits."""
+"""Output projection fused with cross-entropy and z-loss,
+never materializing [tokens, vocab] logits."""

@@ -1,6 +1,6 @@
-"""Cross-entropy (+ z-loss) of the output projection, in plain jnp: the definition the chunked and Pallas
-implementations are held to. It materializes the [N, V] float32 logits, exactly as the Transformer's
-unfused head and train/lm.py's cross_entropy do.
+"""Cross-entropy (+ z-loss) of the output projection, in plain jnp: the definition the chunked and
+Pallas implementations are held to. It materializes the [N, V] float32 logits, exactly as the
+Transformer's unfused head and core/lm.py's cross_entropy do.
 
 Shapes (jaxtrain/model/axes.py): x [N, D] final hidden states (N tokens), w [D, V] (`unembed_DV`) or
 [V, D] (tied `embed_VD`, `w_layout="VD"`), targets [N] int, mask [N] float32 (0 = not counted).
@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 
 def logits(x_ND, w, w_layout: str = "DV"):
-  """float32 [N, V]: the model head's einsum (x and w in the compute dtype, accumulated in float32)."""
+  """float32 [N, V]: the model head's einsum (x and w in the compute dtype,
+  accumulated in float32)."""
   spec = "ND,DV->NV" if w_layout == "DV" else "ND,VD->NV"
   return jnp.einsum(spec, x_ND, w.astype(x_ND.dtype), preferred_element_type=jnp.float32)
 

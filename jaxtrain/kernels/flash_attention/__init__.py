@@ -1,1 +1,2 @@
-"""Flash attention: Pallas kernels (kernel.py) behind a custom_vjp (ops.py), held to reference.py."""
+"""Flash attention: Pallas kernels (kernel.py) behind a custom_vjp (ops.py), held to
+reference.py."""

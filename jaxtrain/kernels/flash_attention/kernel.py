@@ -1,10 +1,11 @@
 """Flash attention as Pallas kernels: forward (online softmax, saves the logsumexp), dq, and dk/dv.
 
-FlashAttention-2 (Dao, 2023, arxiv.org/abs/2307.08691), written GPU-style (grid + BlockSpecs, lowered by
-Triton) and interpreted on CPU. Masks come from segment ids and token indices (reference.mask), so rows may
-be packed and permuted. Grouped-query attention maps each query head h to kv head h // R in the index maps:
-K and V are never repeated. Shapes here are already padded by ops.py: lengths to a multiple of the block
-(padding has segment 0), head dim to a power of two; lse and delta are [B, H, L] float32.
+FlashAttention-2 (Dao, 2023, arxiv.org/abs/2307.08691), written GPU-style (grid + BlockSpecs,
+lowered by Triton) and interpreted on CPU. Masks come from segment ids and token indices
+(reference.mask), so rows may be packed and permuted. Grouped-query attention maps each query head h
+to kv head h // R in the index maps: K and V are never repeated. Shapes here are already padded by
+ops.py: lengths to a multiple of the block (padding has segment 0), head dim to a power of two; lse
+and delta are [B, H, L] float32.
 """
 
 import functools
@@ -16,19 +17,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Finite: a row whose keys in a tile are all masked keeps a finite running max, so its correction exp(m - m_next)
-# is never exp(-inf + inf) = NaN.
+# Finite: a row whose keys in a tile are all masked keeps a finite running max, so its correction
+# exp(m - m_next) is never exp(-inf + inf) = NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _mask(q_segment, k_segment, q_index, k_index):
-  """[block_q, block_k]: same non-padding segment, key not after the query (reference.mask for one tile)."""
+  """[block_q, block_k]: same non-padding segment, key not after the query
+  (reference.mask for one tile)."""
   same = (q_segment[:, None] == k_segment[None, :]) & (k_segment[None, :] > 0)
   return same & (k_index[None, :] <= q_index[:, None])
 
 
 def _any(mask):
-  """Whether a tile has a key to attend: tiles with none (causally future, other documents, padding) are skipped."""
+  """Whether a tile has a key to attend: tiles with none (causally future, other documents, padding)
+  are skipped."""
   return jnp.max(mask.astype(jnp.int32)) > 0
 
 
@@ -37,8 +40,8 @@ def _dot(a, b):
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k_index_ref, o_ref, lse_ref,
-                    *, scale, block_k):
+def _forward_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k_index_ref,
+                    o_ref, lse_ref, *, scale, block_k):
   """One query block of one head against every key block of its kv head."""
   q, q_segment, q_index = q_ref[...], q_segment_ref[...], q_index_ref[...]
   block_q, head_dim = q.shape
@@ -68,13 +71,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_r
 
 
 def _probs(q, k, lse, mask, scale):
-  """Recomputed softmax tile exp(s - lse), zero where masked (rows that saw no key are masked throughout)."""
+  """Recomputed softmax tile exp(s - lse), zero where masked (rows that saw no key are masked
+  throughout)."""
   return jnp.where(mask, jnp.exp(scale * _dot(q, k.T) - lse[:, None]), 0.0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k_index_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, *, scale, block_k):
-  """dq for one query block of one head: sum over key blocks of dS k, with dS = P * (dO v^T - delta)."""
+def _dq_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k_index_ref, do_ref,
+               lse_ref, delta_ref, dq_ref, *, scale, block_k):
+  """dq for one query block of one head: sum over key blocks of dS k,
+  with dS = P * (dO v^T - delta)."""
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   q_segment, q_index = q_segment_ref[...], q_index_ref[...]
 
@@ -94,9 +99,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k
   dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k_index_ref, do_ref, lse_ref,
-                 delta_ref, dk_ref, dv_ref, *, scale, block_q):
-  """dk, dv for one key block of one kv head, summed over its R query heads and every query block."""
+def _dkdv_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref, k_index_ref,
+                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, block_q):
+  """dk, dv for one key block of one kv head,
+  summed over its R query heads and every query block."""
   k, v, k_segment, k_index = k_ref[...], v_ref[...], k_segment_ref[...], k_index_ref[...]
   n_q, heads = q_ref.shape[0] // block_q, q_ref.shape[1]
 
@@ -122,12 +128,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref,
 
 
 def _compiler_params(block_q, block_k, interpret):
-  return None if interpret else plgpu.CompilerParams(num_warps=4 if block_q * block_k <= 64 * 64 else 8,
-                                                     num_stages=2)
+  return None if interpret else plgpu.CompilerParams(
+      num_warps=4 if block_q * block_k <= 64 * 64 else 8, num_stages=2)
 
 
-def forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, *, scale, block_q, block_k,
-            interpret):
+def forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, *, scale,
+            block_q, block_k, interpret):
   """(out [B, L, H, K] in q's dtype, lse [B, H, L] float32); grid (query blocks, B, H)."""
   b, l, h, kd = q_BLHK.shape
   s, g = k_BSGK.shape[1], k_BSGK.shape[2]
@@ -141,20 +147,23 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_in
       grid=(l // block_q, b, h),
       in_specs=[q_spec, kv_spec, kv_spec, q_row, k_row, q_row, k_row],
       out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))],
-      out_shape=[jax.ShapeDtypeStruct(q_BLHK.shape, q_BLHK.dtype), jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct(q_BLHK.shape, q_BLHK.dtype),
+                 jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
       compiler_params=_compiler_params(block_q, block_k, interpret),
       interpret=interpret,
       name="flash_attention_forward",
   )(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
 
 
-def backward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, do_BLHK, lse_BHL,
-             delta_BHL, *, scale, block_q, block_k, interpret):
-  """(dq, dk, dv) from the saved lse and delta = rowsum(out * dout): a dq kernel and a dk/dv kernel."""
+def backward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, do_BLHK,
+             lse_BHL, delta_BHL, *, scale, block_q, block_k, interpret):
+  """(dq, dk, dv) from the saved lse and delta = rowsum(out * dout):
+  a dq kernel and a dk/dv kernel."""
   b, l, h, kd = q_BLHK.shape
   s, g = k_BSGK.shape[1], k_BSGK.shape[2]
   r = h // g
-  args = (q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, do_BLHK, lse_BHL, delta_BHL)
+  args = (q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, do_BLHK,
+          lse_BHL, delta_BHL)
   params = _compiler_params(block_q, block_k, interpret)
 
   # dq: grid (query blocks, B, H), each program loops over all key blocks of its kv head.
@@ -174,7 +183,8 @@ def backward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_i
       name="flash_attention_dq",
   )(*args)
 
-  # dk, dv: grid (key blocks, B, G), each program loops over the R query heads of its group and all query blocks.
+  # dk, dv: grid (key blocks, B, G), each program loops over the R query heads of its group and all
+  # query blocks.
   q_spec = pl.BlockSpec((None, l, r, kd), lambda j, bi, gi: (bi, 0, gi, 0))
   kv_spec = pl.BlockSpec((None, block_k, None, kd), lambda j, bi, gi: (bi, j, gi, 0))
   q_row = pl.BlockSpec((None, l), lambda j, bi, gi: (bi, 0))
@@ -185,7 +195,8 @@ def backward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_i
       grid=(s // block_k, b, g),
       in_specs=[q_spec, kv_spec, kv_spec, q_row, k_row, q_row, k_row, q_spec, stat, stat],
       out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k_BSGK.shape, k_BSGK.dtype), jax.ShapeDtypeStruct(v_BSGK.shape, v_BSGK.dtype)],
+      out_shape=[jax.ShapeDtypeStruct(k_BSGK.shape, k_BSGK.dtype),
+                 jax.ShapeDtypeStruct(v_BSGK.shape, v_BSGK.dtype)],
       compiler_params=params,
       interpret=interpret,
       name="flash_attention_dkdv",

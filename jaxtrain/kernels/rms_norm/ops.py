@@ -1,5 +1,5 @@
-"""Residual add + RMSNorm: `add_rms_norm` picks the XLA reference (differentiated by jax) or the Pallas
-kernels (custom_vjp; interpreted on CPU)."""
+"""Residual add + RMSNorm: `add_rms_norm` picks the XLA reference (differentiated by jax) or the
+Pallas kernels (custom_vjp; interpreted on CPU)."""
 
 import functools
 
@@ -32,16 +32,19 @@ _pallas.defvjp(_pallas_fwd, _pallas_bwd)
 
 def add_rms_norm(x, residual, scale_D, eps: float, *, impl: str = "xla", block_rows: int = 256,
                  interpret: bool | None = None):
-  """(normed, residual + x) for x and residual [..., D] of one dtype; `interpret` defaults to True on CPU."""
+  """(normed, residual + x) for x and residual [..., D] of one dtype;
+  `interpret` defaults to True on CPU."""
   if impl == "xla":
     return reference.add_rms_norm(x, residual, scale_D, eps)
   if impl != "pallas":
-    raise ValueError(f"add_rms_norm: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    raise ValueError(f"add_rms_norm: unknown implementation {impl!r}; "
+                     f"choose one of {', '.join(IMPLEMENTATIONS)}")
   if x.dtype != residual.dtype or x.shape != residual.shape:
-    raise ValueError(f"add_rms_norm: x {x.shape} {x.dtype} and residual {residual.shape} {residual.dtype} differ")
+    raise ValueError(f"add_rms_norm: x {x.shape} {x.dtype} and residual {residual.shape} "
+                     f"{residual.dtype} differ")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   d = x.shape[-1]
-  normed, h = _pallas(x.reshape(-1, d), residual.reshape(-1, d), scale_D, float(eps), int(block_rows),
-                      bool(interpret))
+  normed, h = _pallas(x.reshape(-1, d), residual.reshape(-1, d), scale_D, float(eps),
+                      int(block_rows), bool(interpret))
   return normed.reshape(x.shape), h.reshape(x.shape)
