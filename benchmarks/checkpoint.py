@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.train_step import machine_lines, publish  # noqa: E402
 from jaxtrain import checkpoint, config_files, data, parallel  # noqa: E402
 from jaxtrain import builder  # noqa: E402
-from jaxtrain.core import state as state_lib
+from jaxtrain.core import state as state_lib  # noqa: E402
 
 CHUNK = 64 << 20
 

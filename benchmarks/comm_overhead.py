@@ -43,7 +43,7 @@ from jaxtrain import config as config_lib, config_files, data, parallel  # noqa:
 from jaxtrain import collectives  # noqa: E402
 from jaxtrain.optim import compress, quantize  # noqa: E402
 from jaxtrain import builder  # noqa: E402
-from jaxtrain.core import state as state_lib
+from jaxtrain.core import state as state_lib  # noqa: E402
 
 SCHEMES = {  # name -> comm overrides on tiny with optim.reduce_axis=replica
     "f32": {},

@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 from jaxtrain import config_files, data, metrics, parallel  # noqa: E402
 from jaxtrain.model import param_count  # noqa: E402
 from jaxtrain import builder  # noqa: E402
-from jaxtrain.core import state as state_lib
+from jaxtrain.core import state as state_lib  # noqa: E402
 
 
 def time_config(name: str, steps: int, batch_size: int = 0) -> dict:

@@ -36,7 +36,7 @@ from matplotlib.figure import Figure  # noqa: E402
 import jaxtrain  # noqa: E402
 from jaxtrain import data, parallel  # noqa: E402
 from jaxtrain import builder  # noqa: E402
-from jaxtrain.core import state as state_lib
+from jaxtrain.core import state as state_lib  # noqa: E402
 from tools.compare_runs import compare, format_table  # noqa: E402
 from tools.plot_metrics import plot  # noqa: E402
 

@@ -21,8 +21,9 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from jaxtrain import ConfigError, __main__ as cli  # noqa: E402
 from jaxtrain.checkpoint import convert, hf, pretrained  # noqa: E402
-from jaxtrain import builder, workdir as workdir_lib  # noqa: E402
-from jaxtrain.core import state as state_lib
+from jaxtrain import builder  # noqa: E402
+from jaxtrain.core import state as state_lib  # noqa: E402
+from jaxtrain.train import workdir as workdir_lib  # noqa: E402
 from tests.fixtures import tiny_config  # noqa: E402
 from tests.checkpoint.test_hf import bpe_tokenizer_json, from_pretrained, hf_logits, hf_model  # noqa: E402
 
