@@ -5,7 +5,7 @@ config_lib`. No jax import here."""
 
 from jaxtrain.config.checks import RESUMABLE_CHANGES, incompatible, validate
 from jaxtrain.config.comm import (
-    COMM_FORMATS, COMM_KERNELS, ERROR_FEEDBACK, compressing, manual_axis, per_replica_state)
+    COMM_KERNELS, ERROR_FEEDBACK, compressing, manual_axis, per_replica_state)
 from jaxtrain.config.data import BAD_UTF8, DATA_FORMATS, DATA_KINDS, PACKINGS
 from jaxtrain.config.errors import ConfigError, flat
 from jaxtrain.config.mesh import DATA_AXES, MESH_AXES, PRESETS, RULES, mesh_shape
@@ -20,7 +20,7 @@ from jaxtrain.config.train import AUTO, AUTO_KEYS, CROSS_ENTROPY
 __all__ = [
     "FLOAT_RANGES", "RESUMABLE_CHANGES", "compressing", "flat", "incompatible", "manual_axis",
     "per_replica_state", "validate", "validate_rope", "ADVANTAGE_SCALES", "ATTENTION", "AUTO",
-    "AUTO_KEYS", "BAD_UTF8", "COMM_FORMATS", "COMM_KERNELS", "CROSS_ENTROPY", "ConfigError",
+    "AUTO_KEYS", "BAD_UTF8", "COMM_KERNELS", "CROSS_ENTROPY", "ConfigError",
     "DATA_AXES", "DATA_FORMATS", "DATA_KINDS", "DISPATCH", "DTYPES", "ERROR_FEEDBACK", "FP8",
     "FUSED_NORM", "GROUPED_MATMUL", "MESH_AXES", "ModelConfig", "ON_DIVERGENCE", "OPTIMIZERS",
     "PACKINGS", "PREFERENCE_LOSSES", "PRESETS", "REMAT", "RL_AGGREGATES", "ROPE_SCALINGS",

@@ -8,7 +8,6 @@ import ml_collections
 from jaxtrain.config.errors import ConfigError, check_choice, check_floats
 from jaxtrain.config.mesh import DATA_AXES
 
-COMM_FORMATS = ("f32", "bf16", "fp8", "int8", "int4")
 ERROR_FEEDBACK = ("none", "ef", "ef21")
 COMM_KERNELS = ("xla", "pallas")  # jaxtrain/optim/compress.py KERNELS
 RANGES = {"diloco.outer_lr": (0.0, math.inf, False), "diloco.outer_momentum": (0.0, 1.0, True),
@@ -19,7 +18,8 @@ def comm_defaults() -> ml_collections.ConfigDict:
   cm = ml_collections.ConfigDict()
   # the slow axis whose gradient reduction is compressed (fast axes stay float32)
   cm.axis = "replica"
-  cm.format = "f32"  # one of COMM_FORMATS; f32 with error_feedback=none is plain data parallelism
+  # a wire format (jaxtrain/wire); f32 with error_feedback=none is plain data parallelism
+  cm.format = "f32"
   cm.block = 256  # int8/int4 (and diloco.format): elements per absmax scale; even
   cm.error_feedback = "none"  # one of ERROR_FEEDBACK: none, ef (residual into the next step), ef21
   # one of COMM_KERNELS: who quantizes (pallas: one fused pass, jaxtrain/kernels/quantize; same
@@ -34,7 +34,7 @@ def diloco_defaults() -> ml_collections.ConfigDict:
   dl.inner_steps = 0
   dl.outer_lr = 0.7
   dl.outer_momentum = 0.9  # Nesterov
-  dl.format = "f32"  # one of COMM_FORMATS: the outer gradients' format on the wire
+  dl.format = "f32"  # a wire format (jaxtrain/wire): the outer gradients' format on the wire
   dl.fragments = 1  # P: streaming DiLoCo syncs 1/P of the parameters every H/P steps, staggered
   dl.delay = 0  # tau: a fragment's average is applied tau inner steps after it was sent (overlap)
   dl.mix = 0.5  # with delay: local = mix * local + (1 - mix) * new global for the fragment
@@ -76,10 +76,8 @@ def validate_comm(cfg, shape) -> None:
   check_floats("comm", cm, RANGES)
   check_floats("diloco", dl, RANGES)
   check_choice("comm.axis", cm.axis, ("replica", "data"))
-  check_choice("comm.format", cm.format, COMM_FORMATS)
   check_choice("comm.error_feedback", cm.error_feedback, ERROR_FEEDBACK)
   check_choice("comm.kernel", cm.kernel, COMM_KERNELS)
-  check_choice("diloco.format", dl.format, COMM_FORMATS)
   if cm.block < 2 or cm.block % 2:
     raise ConfigError(
         f"comm.block={cm.block} must be a positive even number (int4 packs two values "

@@ -1,23 +1,25 @@
-"""`predict(cfg, n_devices, device_kind)`: per-device memory and step time of a config's train step on a mesh
-of any size, before any run and without compiling anything or needing the devices (see docs/ARCHITECTURE.md,
-"Planner"). Memory: the state's shards from its logical annotations (exact), gradients, activations under the
-remat policy, attention and loss temporaries (jaxtrain/plan/activations.py). Step time: the step's FLOPs
-against the device's peak at a stated efficiency, plus the bytes its collectives send against the link
-bandwidth, not overlapped (jaxtrain/plan/devices.py)."""
+"""`predict(cfg, n_devices, device_kind)`: per-device memory and step time of a config's train step
+on a mesh of any size, before any run and without compiling anything or needing the devices (see
+docs/ARCHITECTURE.md, "Planner"). Memory: the state's shards from its logical annotations (exact),
+gradients, activations under the remat policy, attention and loss temporaries
+(jaxtrain/plan/activations.py). Step time: the step's FLOPs against the device's peak at a stated
+efficiency, plus the bytes its collectives send against the link bandwidth, not overlapped
+(jaxtrain/plan/devices.py)."""
 
 import copy
 import dataclasses
 
-from jaxtrain import config as config_lib, metrics
+from jaxtrain import config as config_lib, metrics, wire
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import CPU_BLOCKWISE_FROM
 from jaxtrain.model.transformer import active_mlp_params
 from jaxtrain.plan import activations as act, devices as devices_lib
 from jaxtrain.plan.state_bytes import state_bytes
 
-MEMORY_KEYS = ("params", "opt_state", "batch", "grads", "activations", "attention_temps", "loss_temps",
-               "optimizer_temps", "total")
-BACKWARD = ("grads", "activations", "attention_temps", "loss_temps")  # the backward phase; its peak or the update's
+MEMORY_KEYS = ("params", "opt_state", "batch", "grads", "activations", "attention_temps",
+               "loss_temps", "optimizer_temps", "total")
+# the backward phase; its peak or the update's
+BACKWARD = ("grads", "activations", "attention_temps", "loss_temps")
 BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu", "cpu": "cpu"}
 
 
@@ -49,10 +51,12 @@ class Plan:
 
 
 def _attention_impl(m: ModelConfig, seq_len: int, kind: str) -> str:
-  """The implementation model.attention resolves to on that kind of device (model/attention.choose)."""
+  """The implementation model.attention resolves to on that kind of device
+  (model/attention.choose)."""
   if m.attention != "auto":
     return m.attention
-  return {"tpu": "splash", "gpu": "cudnn"}.get(BACKENDS[kind], "xla" if seq_len < CPU_BLOCKWISE_FROM else "blockwise")
+  return {"tpu": "splash", "gpu": "cudnn"}.get(
+      BACKENDS[kind], "xla" if seq_len < CPU_BLOCKWISE_FROM else "blockwise")
 
 
 def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
@@ -60,38 +64,44 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   m, t = ModelConfig.from_config(cfg.model), cfg.train
   sb = state_bytes(cfg, shape)
   data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
-  tokens = act.microbatch_tokens(t.batch_size, t.seq_len, data_ways, shape["context"], t.microbatches)
+  tokens = act.microbatch_tokens(t.batch_size, t.seq_len, data_ways, shape["context"],
+                                 t.microbatches)
   w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind))
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
   k = act.XLA_CPU if kind == "cpu" else act.BY_COUNT
-  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, m, t.microbatches, k)
+  out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, m,
+                                 t.microbatches, k)
   out.update(act.backward_bytes(m, w, tokens, dtype_bytes, k))
-  out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy, t.ce_token_chunk,
-                                     t.ce_vocab_chunk, k)
+  out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy,
+                                     t.ce_token_chunk, t.ce_vocab_chunk, k)
   out["optimizer_temps"] = act.optimizer_bytes(sb["params"], tokens, m.d_model, k)
-  out["batch"] = 24 * tokens * t.microbatches  # inputs, targets, segment ids, positions, mask, entropy
+  # inputs, targets, segment ids, positions, mask, entropy
+  out["batch"] = 24 * tokens * t.microbatches
   backward = sum(out[k] for k in BACKWARD)
-  out["total"] = out["params"] + out["opt_state"] + out["batch"] + max(backward, out["optimizer_temps"])
+  out["total"] = (out["params"] + out["opt_state"] + out["batch"]
+                  + max(backward, out["optimizer_temps"]))
   return {k: int(out[k]) for k in MEMORY_KEYS}, sb["n_params"]
 
 
 def flops_per_step(cfg) -> float:
-  """Matmul FLOPs of one step (metrics.train_flops_per_token x tokens); remat=full adds a forward pass of
-  the layers (dots saves every matmul's output, so recomputes none)."""
+  """Matmul FLOPs of one step (metrics.train_flops_per_token x tokens); remat=full adds a forward
+  pass of the layers (dots saves every matmul's output, so recomputes none)."""
   m, t = ModelConfig.from_config(cfg.model), cfg.train
-  per_token = metrics.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff,
-                                            m.vocab_size, t.seq_len, mlp_params=active_mlp_params(m))
+  per_token = metrics.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads,
+                                            m.head_dim, m.d_ff, m.vocab_size, t.seq_len,
+                                            mlp_params=active_mlp_params(m))
   if m.remat == "full":
     attn_proj = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    per_token += 2 * (m.n_layers * attn_proj + active_mlp_params(m)) + m.n_layers * 4 * t.seq_len * m.n_heads * m.head_dim
+    per_token += (2 * (m.n_layers * attn_proj + active_mlp_params(m))
+                  + m.n_layers * 4 * t.seq_len * m.n_heads * m.head_dim)
   return float(per_token) * t.batch_size * t.seq_len
 
 
 def comm_bytes(cfg, shape: dict, memory: dict) -> tuple[float, float]:
   """(bytes over the fast links, bytes over the replica axis) each device sends per step, by ring
-  collectives: fsdp gathers the params twice and reduce-scatters the gradient per microbatch, the other
-  data axes all-reduce the gradient, tensor all-reduces two activations per layer each way."""
+  collectives: fsdp gathers the params twice and reduce-scatters the gradient per microbatch, the
+  other data axes all-reduce the gradient, tensor all-reduces two activations per layer each way."""
   m, t = ModelConfig.from_config(cfg.model), cfg.train
   mb, fs, tp = t.microbatches, shape["fsdp"], shape["tensor"]
   ring = lambda n: (n - 1) / n
@@ -101,7 +111,7 @@ def comm_bytes(cfg, shape: dict, memory: dict) -> tuple[float, float]:
   fast += 2 * ring(shape["data"] * shape["expert"] * (fs if cfg.mesh.rules == "dp" else 1)) * grads
   slow = 2 * ring(shape["replica"]) * grads
   if config_lib.compressing(cfg.comm):
-    slow *= {"f32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}[cfg.comm.format] / 32
+    slow *= wire.FORMATS[cfg.comm.format].bits / 32
   data_ways = shape["replica"] * shape["data"] * fs * shape["expert"]
   tokens = t.batch_size * t.seq_len // data_ways // shape["context"]
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
@@ -111,22 +121,24 @@ def comm_bytes(cfg, shape: dict, memory: dict) -> tuple[float, float]:
 
 def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
             device_memory_bytes: float | None = None, suggest: bool = True) -> Plan:
-  """The Plan of `cfg` on `n_devices` devices of `device_kind` (defaults: this machine's). A bad config or
-  mesh is config.ConfigError (one line)."""
+  """The Plan of `cfg` on `n_devices` devices of `device_kind` (defaults: this machine's). A bad
+  config or mesh is config.ConfigError (one line)."""
   if device_kind is None or n_devices is None:
     import jax
     n_devices = jax.device_count() if n_devices is None else n_devices
     device_kind = devices_lib.detect() if device_kind is None else device_kind
   if device_kind not in devices_lib.DEVICES:
-    raise config_lib.ConfigError(f"device kind {device_kind!r}: choose one of {', '.join(devices_lib.KINDS)}")
+    raise config_lib.ConfigError(
+        f"device kind {device_kind!r}: choose one of {', '.join(devices_lib.KINDS)}")
   if n_devices < 1:
     raise config_lib.ConfigError(f"devices must be >= 1, got {n_devices}")
   if config_lib.AUTO in (cfg.train.batch_size, cfg.train.microbatches):
-    raise config_lib.ConfigError("predict needs a batch: train.batch_size/microbatches=auto are chosen by "
-                                 "jaxtrain.plan.auto.choose (the CLI does so first)")
+    raise config_lib.ConfigError("predict needs a batch: train.batch_size/microbatches=auto are "
+                                 "chosen by jaxtrain.plan.auto.choose (the CLI does so first)")
   shape = config_lib.validate(cfg, n_devices)
   device = devices_lib.DEVICES[device_kind]
-  limit = devices_lib.memory_bytes(device_kind, n_devices) if device_memory_bytes is None else device_memory_bytes
+  limit = (devices_lib.memory_bytes(device_kind, n_devices) if device_memory_bytes is None
+           else device_memory_bytes)
   memory, n_params = memory_bytes(cfg, shape, device_kind)
   flops = flops_per_step(cfg)
   peak, source = devices_lib.peak_flops(device_kind, cfg.model.compute_dtype)
@@ -137,9 +149,10 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
     compute = flops / n_devices / (peak * eff)
   fast, slow = comm_bytes(cfg, shape, memory)
   comm_time = fast / device.link_bytes_s + slow / device.slow_link_bytes_s
-  plan = Plan(device_kind, n_devices, shape, cfg.train.batch_size, cfg.train.microbatches, n_params, memory,
-              float(limit), memory["total"] <= limit, flops, peak, source, eff, compute, fast + slow, comm_time,
-              compute + comm_time, cfg.train.batch_size * cfg.train.seq_len)
+  plan = Plan(device_kind, n_devices, shape, cfg.train.batch_size, cfg.train.microbatches,
+              n_params, memory, float(limit), memory["total"] <= limit, flops, peak, source, eff,
+              compute, fast + slow, comm_time, compute + comm_time,
+              cfg.train.batch_size * cfg.train.seq_len)
   if suggest and not plan.fits:
     plan.suggestions = suggestions(cfg, n_devices, device_kind, limit)
   return plan
@@ -160,7 +173,8 @@ def candidates(cfg, n_devices: int) -> list[tuple[str, object]]:
   out = [(f"model.remat={r}", with_values(cfg, model__remat=r))
          for r in ("dots", "full") if config_lib.REMAT.index(r) > config_lib.REMAT.index(m.remat)]
   for k in (2, 4, 8, 16):
-    out.append((f"train.microbatches={t.microbatches * k}", with_values(cfg, train__microbatches=t.microbatches * k)))
+    out.append((f"train.microbatches={t.microbatches * k}",
+                with_values(cfg, train__microbatches=t.microbatches * k)))
   shape = config_lib.mesh_shape(x, n_devices)
   if x.rules != "dp" and shape["data"] > 1:
     changed = with_values(cfg, mesh__fsdp=shape["fsdp"] * shape["data"], mesh__data=1)
@@ -186,7 +200,8 @@ def suggestions(cfg, n_devices: int, device_kind: str, limit: float) -> list[str
     if plan.fits:
       microbatches_done |= what.startswith("train.microbatches")
       out.append(f"{what}: {gib(plan.memory['total'])} per device, {plan.step_time_s:.3g} s/step")
-  return out or ["no single change fits: add devices (fsdp), or lower train.batch_size or train.seq_len"]
+  return out or [
+      "no single change fits: add devices (fsdp), or lower train.batch_size or train.seq_len"]
 
 
 def gib(n: float) -> str:
@@ -196,15 +211,20 @@ def gib(n: float) -> str:
 def format_table(p: Plan) -> str:
   mesh = " ".join(f"{a}={n}" for a, n in p.mesh.items() if n > 1) or "one device"
   rows = [("device", f"{p.n_devices} x {p.device_kind} ({mesh})"),
-          ("params", f"{p.n_params:,}"), ("batch", f"{p.batch_size} x {p.microbatches} microbatch(es)")]
-  phase = "backward" if sum(p.memory[k] for k in BACKWARD) >= p.memory["optimizer_temps"] else "optimizer update"
+          ("params", f"{p.n_params:,}"),
+          ("batch", f"{p.batch_size} x {p.microbatches} microbatch(es)")]
+  phase = ("backward" if sum(p.memory[k] for k in BACKWARD) >= p.memory["optimizer_temps"]
+           else "optimizer update")
   rows += [(f"memory.{k}", gib(p.memory[k])) for k in MEMORY_KEYS[:-1]]
-  rows += [("memory.total", f"{gib(p.memory['total'])} (state + batch + the {phase}, the larger phase)")]
+  rows += [("memory.total",
+            f"{gib(p.memory['total'])} (state + batch + the {phase}, the larger phase)")]
   rows += [("device memory", gib(p.device_memory_bytes)), ("fits", "yes" if p.fits else "NO"),
            ("flops/step", f"{p.flops_per_step:.3g}"),
-           ("compute", f"{p.compute_time_s:.3g} s at {p.efficiency:.0%} of {p.peak_flops:.3g} FLOP/s ({p.peak_source})"),
+           ("compute", f"{p.compute_time_s:.3g} s at {p.efficiency:.0%} of {p.peak_flops:.3g} "
+                       f"FLOP/s ({p.peak_source})"),
            ("comm", f"{p.comm_bytes / 2**20:,.1f} MiB/device, {p.comm_time_s:.3g} s"),
-           ("step time", f"{p.step_time_s:.3g} s ({p.tokens_per_step / p.step_time_s:,.0f} tokens/s)")]
+           ("step time",
+            f"{p.step_time_s:.3g} s ({p.tokens_per_step / p.step_time_s:,.0f} tokens/s)")]
   rows += [("would fit with", s) for s in p.suggestions]
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

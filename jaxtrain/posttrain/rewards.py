@@ -1,18 +1,21 @@
-"""Rewards on decoded text for RL (PPO, GRPO): a registry by name, and a safe weighted batch evaluator.
+"""Rewards on decoded text for RL (PPO, GRPO): a registry by name, and a safe weighted batch
+evaluator.
 
 A reward function has the signature
 
-    fn(prompts: list[str], completions: list[str], **row_fields) -> list[float]   # one float per sample
+    # one float per sample
+    fn(prompts: list[str], completions: list[str], **row_fields) -> list[float]
 
 where row_fields are the data rows' other fields, one list per field aligned with prompts (e.g.
-answer=[...] from an eval/RL JSONL). A function should accept **row_fields and ignore what it does not use.
-Configs name rewards ("exact_match"); the library API also takes the callable itself wherever a name is
-accepted (`resolve`). `register("name")(fn)` adds one by name, e.g. from a user's module before
-`jaxtrain.train(cfg, workdir)`.
+answer=[...] from an eval/RL JSONL). A function should accept **row_fields and ignore what it does
+not use. Configs name rewards ("exact_match"); the library API also takes the callable itself
+wherever a name is accepted (`resolve`). `register("name")(fn)` adds one by name, e.g. from a
+user's module before `jaxtrain.train(cfg, workdir)`.
 
-`evaluate` never raises on a reward function's fault: a function that raises, returns the wrong number
-of values, or a value that is not a finite number, gives 0 to the samples concerned (all of its batch
-when it raised or returned the wrong length) and the event is counted by kind, so a run logs it and goes on.
+`evaluate` never raises on a reward function's fault: a function that raises, returns the wrong
+number of values, or a value that is not a finite number, gives 0 to the samples concerned (all of
+its batch when it raised or returned the wrong length) and the event is counted by kind, so a run
+logs it and goes on.
 """
 
 import math
@@ -52,7 +55,8 @@ BUILTINS = tuple(_REGISTRY)
 
 
 def register(name: str):
-  """Decorator: `@register("mine")` makes fn available as reward "mine"; re-registering a name replaces it."""
+  """Decorator: `@register("mine")` makes fn available as reward "mine"; re-registering a name
+  replaces it."""
   if not isinstance(name, str) or not name:
     raise ConfigError(f"rewards.register: the name must be a non-empty string, got {name!r}")
 
@@ -70,7 +74,8 @@ def names() -> list[str]:
 
 
 def get(name: str) -> RewardFn:
-  """The reward registered as `name`; ConfigError (one line) naming the registered ones otherwise."""
+  """The reward registered as `name`; ConfigError (one line) naming the registered ones
+  otherwise."""
   if name not in _REGISTRY:
     raise ConfigError(f"reward {name!r} is not registered; registered: {', '.join(names())} "
                       "(add one with jaxtrain.posttrain.rewards.register)")
@@ -109,10 +114,9 @@ def _is_pair(x) -> bool:
 def evaluate(fns_with_weights, prompts: Sequence[str], completions: Sequence[str],
              **row_fields) -> tuple[list[float], dict]:
   """(rewards, counts): rewards[i] = sum over functions of weight * fn(...)[i], where a faulty value
-  counts 0 (see the module docstring); counts = {label: {fault: n}} with the number of faulty *samples*
-  of each kind for each function (its name; `name_i` for the i-th function when taken), and "total"
-  summing them over functions. `fns_with_weights`: any
-  spec `resolve` takes."""
+  counts 0 (see the module docstring); counts = {label: {fault: n}} with the number of faulty
+  *samples* of each kind for each function (its name; `name_i` for the i-th function when taken),
+  and "total" summing them over functions. `fns_with_weights`: any spec `resolve` takes."""
   prompts, completions = list(prompts), list(completions)
   n = len(prompts)
   if len(completions) != n:
@@ -121,7 +125,8 @@ def evaluate(fns_with_weights, prompts: Sequence[str], completions: Sequence[str
   counts = {"total": dict.fromkeys(FAULTS, 0)}
   for i, (label, fn, weight) in enumerate(resolve(fns_with_weights)):
     values, faults = _call(fn, prompts, completions, row_fields, n)
-    counts[label if label not in counts else f"{label}_{i}"] = faults  # two lambdas: <lambda>, <lambda>_1
+    # two lambdas: <lambda>, <lambda>_1
+    counts[label if label not in counts else f"{label}_{i}"] = faults
     for kind, k in faults.items():
       counts["total"][kind] += k
     for i, v in enumerate(values):
