@@ -190,7 +190,7 @@ class Checkpoints:
     """`k`: the `checkpoint` config section (ConfigDict)."""
     _quiet_orbax()
     dirs = tier_dirs(k, workdir)
-    self._compress, self._ocdbt = bool(k.get("compress", False)), bool(k.get("ocdbt", True))
+    self._compress, self._ocdbt = bool(k.compress), bool(k.ocdbt)
     self._max_failed = 0 if read_only else k.max_failed_saves
     self.tiers: list[Tier] = []
     for name, directory in dirs.items():

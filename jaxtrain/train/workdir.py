@@ -133,10 +133,14 @@ def write_config(cfg, workdir: str):
 
 
 def load_config(workdir: str):
-  """The config a workdir was trained with."""
-  import ml_collections
+  """The config a workdir was trained with, laid over today's defaults: a key an older version did not
+  write reads its default (written once, in config/), one it wrote that is gone is dropped."""
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise config_lib.ConfigError(f"{path} does not exist; is --workdir a training run?")
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    saved = config_lib.flat(json.load(f))
+  cfg = config_lib.default_config()
+  known = config_lib.flat(cfg.to_dict())
+  cfg.update_from_flattened_dict({k: v for k, v in saved.items() if k in known})
+  return cfg
