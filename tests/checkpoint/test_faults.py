@@ -21,7 +21,7 @@ import pytest
 
 import jaxtrain
 from jaxtrain import checkpoint, errors, metrics
-from jaxtrain.checkpoint import manager
+from jaxtrain.checkpoint import quiet
 from tests.checkpoint.test_manager import final_params, stderr_logging
 from tests.fixtures import tiny_config
 
@@ -185,7 +185,7 @@ def test_what_orbax_leaves_after_a_failed_save_is_not_printed(tmp_path, capfd):
     logging.getLogger("asyncio").error("Future exception was never retrieved", exc_info=(ValueError, full, None))
     logging.getLogger("asyncio").error("Task exception was never retrieved", exc_info=(KeyError, KeyError("x"), None))
   seen, closed = [], RuntimeError("Event loop is closed")
-  hook = manager._quiet_unraisable(seen.append)
+  hook = quiet.unraisable_hook(seen.append)
   for e in (closed, full, KeyError("y")):
     hook(types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=None, err_msg=None, object=None))
   assert [type(u.exc_value) for u in seen] == [KeyError]

@@ -16,7 +16,7 @@ from jaxtrain import config as config_lib, config_files, metrics, parallel
 from jaxtrain.data.tokenizers import Bytes
 from jaxtrain.builder import TASKS
 from jaxtrain.posttrain import Grpo
-from jaxtrain.posttrain.grpo import PromptBatches, Prompts
+from jaxtrain.posttrain.prompts import PromptBatches, Prompts
 from jaxtrain import builder
 from jaxtrain.core import state as state_lib
 from jaxtrain.core.task import Task
