@@ -44,9 +44,8 @@ class Stepper:
     self.state, shardings = state_lib.create_state(task, tx, 0, mesh, cfg.mesh.rules)
     feed, source = parallel.Feed(cfg.train.batch_size, parallel.batch_sharding(mesh)), data.make_source(cfg, "train")
     self._batches = lambda index: feed.batch(source, index)
-    self._context = lambda: (parallel.activate(mesh, cfg.mesh.rules))
-    mesh_ctx, rules_ctx = self._context()
-    with mesh_ctx, rules_ctx:
+    self._context = lambda: parallel.activate(mesh, cfg.mesh.rules)
+    with self._context():
       self._train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
     self._next = 0
     self.tokens = cfg.train.batch_size * cfg.train.seq_len
@@ -59,8 +58,7 @@ class Stepper:
   def step(self) -> float:
     batch = self._batches(self._next)
     self._next += 1
-    mesh_ctx, rules_ctx = self._context()
-    with mesh_ctx, rules_ctx:
+    with self._context():
       t = time.perf_counter()
       self.state, step_metrics = self._train_fn(self.state, batch)
       jax.block_until_ready(step_metrics)

@@ -70,9 +70,8 @@ class Stepper:
     self.state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
     self.feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
     self.source = data.make_source(cfg, "train")
-    self.contexts = lambda: (parallel.activate(mesh, cfg.mesh.rules))
-    mesh_ctx, rules_ctx = self.contexts()
-    with mesh_ctx, rules_ctx:
+    self.contexts = lambda: parallel.activate(mesh, cfg.mesh.rules)
+    with self.contexts():
       train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
       self.compiled = train_fn.lower(self.state, self.feed.batch(self.source, 0)).compile()
     self.tokens = task.batch_size * cfg.train.seq_len
@@ -80,8 +79,7 @@ class Stepper:
 
   def step(self, index: int) -> float:
     batch = self.feed.batch(self.source, index)
-    mesh_ctx, rules_ctx = self.contexts()
-    with mesh_ctx, rules_ctx:
+    with self.contexts():
       start = time.perf_counter()
       self.state, step_metrics = self.compiled(self.state, batch)
       jax.block_until_ready(step_metrics)
