@@ -19,8 +19,7 @@ from jaxtrain.core.lm import LanguageModel
 from jaxtrain.core.step import make_train_step
 from jaxtrain.posttrain import Dpo, Grpo, Ppo, RewardModel, Sft
 
-# train.task -> the task it trains: the one list of tasks. A task written elsewhere is passed as
-# task=.
+# train.task -> the task it trains: the one list of tasks (a task written elsewhere: task=).
 TASKS = {"lm": LanguageModel, "sft": Sft, "rm": RewardModel, "dpo": Dpo, "grpo": Grpo, "ppo": Ppo}
 
 

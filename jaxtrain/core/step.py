@@ -1,11 +1,11 @@
 """The pure train step, built around a loss passed in: gradient accumulation, one optimizer step.
 
-A loss is `loss_fn(params, batch, extra, task_state) -> (objective,
-sums)`: `objective` is a *sum* over the units of the batch (tokens, pairs, sequences) and `sums` a
-dict of sums whose "count" says how many units there were, so microbatches and data shards add up
-exactly; the gradient is divided by the total count. Everything task-specific (what the loss is, its
-metrics, updates of non-trainable state) comes from the task (jaxtrain/core/task.py); nothing here
-knows about language models or experts.
+A loss is `loss_fn(params, batch, extra, task_state) -> (objective, sums)`: `objective` is a *sum*
+over the units of the batch (tokens, pairs, sequences) and `sums` a dict of sums whose "count" says
+how many units there were, so microbatches and data shards add up exactly; the gradient is divided
+by the total count. Everything task-specific (what the loss is, its metrics, updates of
+non-trainable state) comes from the task (jaxtrain/core/task.py); nothing here knows about language
+models or experts.
 """
 
 import jax
@@ -42,8 +42,7 @@ def accumulate_gradients(loss_fn, state: TrainState, batch, microbatches: int):
   shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, *args), state.params,
                           jax.tree.map(lambda x: x[0], micro))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  # inside a shard_map the per-shard sums vary over the manual axes: so must the scan's initial
-  # carry
+  # inside a shard_map the per-shard sums vary over the manual axes: so must the scan's carry
   return jax.lax.scan(body, collectives.vary(zeros, collectives.manual_axes()), micro)[0]
 
 

@@ -48,8 +48,7 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
 def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
   goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
   devices = jax.devices() if devices is None else devices
-  # batch_size/microbatches=auto: chosen, compiled, confirmed
-  cfg, auto_row = auto.resolve(cfg, devices)
+  cfg, auto_row = auto.resolve(cfg, devices)  # batch_size/microbatches=auto: chosen, confirmed
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
   run = build(cfg, workdir, devices, task)
@@ -59,8 +58,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     goodput.energy = goodput_lib.gpu_energy_meter()  # None off NVIDIA GPUs or without nvidia-ml-py
     if goodput.energy is not None:
       stack.callback(goodput.energy.stop)
-    # ---- data, opened before compiling: this process's rows of each global batch, with a state
-    # ----
+    # ---- data, opened before compiling: this process's rows of each global batch ----
     feed, train_iter = open_data(cfg, run, show)
     constants, sizes = run.task.constants(), run.task.sizes()
     if show and sizes:
@@ -68,8 +66,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
             flush=True)
     write_config(cfg, workdir)
 
-    # ---- sinks and state: restored from the newest complete checkpoint of any tier, or born
-    # sharded ----
+    # ---- sinks and state: the newest complete checkpoint of any tier, or born sharded ----
     writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     stack.callback(writer.close)
     if auto_row:
@@ -86,8 +83,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
     bar = stack.enter_context(tqdm.auto.tqdm(total=cfg.train.steps, initial=int(state.step),
                                              disable=not show, dynamic_ncols=True,
                                              mininterval=PROGRESS_INTERVAL_S))
-    # paid for
-    units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
+    units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()  # paid
     log = Log(writer, bar, constants, run.task, peak, per_replica_metrics(cfg),
               lambda s: goodput.row(s, run.task.tokens_per_batch, cfg.train.gpu_hour_price, units))
     loop = Loop(cfg, run, feed, train_iter, state, train_fn, eval_fn, log, ckpts, goodput,

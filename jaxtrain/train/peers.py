@@ -209,9 +209,9 @@ def _reachable(address: str) -> bool:
   return True
 
 
-# ---- jax's client aborts the process (SIGABRT) when the coordination service reports a dead task
-# or cannot be reached; a C-level handler (a Python one would run too late) names the lost peer
-# first ----
+# ---- jax's client aborts the process (SIGABRT) when the coordination service reports a dead
+# task or cannot be reached; a C-level handler (a Python one would run too late) names the lost
+# peer first. ----
 
 _SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _watching: list[Watch] = []
