@@ -3,8 +3,9 @@
   python benchmarks/comm_overhead.py [--steps 10] [--rounds 7] [--only f32,int8] [--profile] [--record]
 
 configs/tiny.py on 8 virtual CPU devices as replica=4 x data=2 (set here, before jax starts). Each
-scheme's jitted train step is the loop's own (builder.build, state_lib.create_state, builder.compile_steps),
-compiled and warmed up (3 steps) first; then `rounds` rounds, each timing `steps` steps of every scheme
+scheme's jitted train step is the loop's own (builder.build, state_lib.create_state,
+builder.compile_steps), compiled and warmed up (3 steps) first; then `rounds` rounds, each timing
+`steps` steps of every scheme
 in turn, the order rotated each round (a slow spell of the shared machine hits every scheme alike). A
 step is timed until its metrics are ready (jax.block_until_ready). Reported: per scheme the median over
 rounds of its round median, and the median over rounds of the ratio to f32 DP's round median (with the

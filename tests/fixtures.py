@@ -37,8 +37,8 @@ def _cpuinfo(key: str) -> str:
   """The first value of `key` in /proc/cpuinfo, "unknown" where there is none."""
   try:
     with open("/proc/cpuinfo") as f:
-      return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == key),
-                  "unknown")
+      return next((line.split(":", 1)[1].strip() for line in f
+                   if line.split(":")[0].strip() == key), "unknown")
   except OSError:
     return "unknown"
 
@@ -49,7 +49,7 @@ def cpu_vendor() -> str:
 
 
 def cpu_kind() -> str:
-  """The vendor and the processor generation ("AuthenticAMD family 25 model 17"): XLA:CPU's code, and so
-  the last bit of a float, differs between generations of one vendor too (AMD EPYC hosts of two models
-  differed from tiny's fourth step on)."""
+  """The vendor and the processor generation ("AuthenticAMD family 25 model 17"): XLA:CPU's code,
+  and so the last bit of a float, differs between generations of one vendor too (AMD EPYC hosts of
+  two models differed from tiny's fourth step on)."""
   return f"{cpu_vendor()} family {_cpuinfo('cpu family')} model {_cpuinfo('model')}"

@@ -1,9 +1,10 @@
 """Imports point one way (docs/ARCHITECTURE.md):
 
-  config -> data -> collectives / kernels -> model -> parallel -> optim -> core -> posttrain -> builder
-    -> plan -> train                          (checkpoint / metrics: sinks, imported from core on)
+  config -> data -> collectives / kernels / wire -> model -> parallel -> optim -> core -> posttrain
+    -> builder -> plan -> train         (checkpoint / metrics: sinks, imported from core on)
 
-no module imports itself back through others (no import circle, lazy imports included), and `import jaxtrain` / `python -m jaxtrain --help` import no jax at all."""
+no module imports itself back through others (no import circle, lazy imports included), and
+`import jaxtrain` / `python -m jaxtrain --help` import no jax at all."""
 
 import ast
 import os
@@ -15,8 +16,9 @@ from tests.fixtures import ROOT
 
 PACKAGE = os.path.join(ROOT, "jaxtrain")
 # A module's layer is its first name under jaxtrain; modules in one layer may import each other.
-LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels", "wire"}, {"model"}, {"parallel"},
-          {"optim"}, {"core"}, {"posttrain"}, {"builder"}, {"plan"}, {"train"}, {"plotting"}]
+LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels", "wire"},
+          {"model"}, {"parallel"}, {"optim"}, {"core"}, {"posttrain"}, {"builder"}, {"plan"},
+          {"train"}, {"plotting"}]
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by core and later layers
 INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.hf_rope", "jaxtrain.checkpoint.pretrained",
            "jaxtrain.checkpoint.convert"}
@@ -80,16 +82,17 @@ def test_imports_point_left():
 
 
 def module_graph() -> dict[str, set[str]]:
-  """module -> the jaxtrain modules it imports (at the top or lazily): `from pkg import name` is pkg.name when
-  that is a module, else pkg. A package's __init__ re-exporting its own modules is no circle."""
+  """module -> the jaxtrain modules it imports (at the top or lazily): `from pkg import name` is
+  pkg.name when that is a module, else pkg. A package's __init__ re-exporting its own modules is no
+  circle."""
   paths = {module: path for path, module in modules()}
   graph = {}
   for module, path in paths.items():
     targets = set()
     for node in ast.walk(ast.parse(open(path).read())):
       if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-        targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
-                       for a in node.names)
+        named = (f"{node.module}.{a.name}" for a in node.names)
+        targets.update(name if name in paths else node.module for name in named)
       elif isinstance(node, ast.Import):
         targets.update(a.name for a in node.names)
     graph[module] = {t for t in targets if t in paths and t != module
@@ -118,7 +121,8 @@ def test_every_module_has_a_layer():
 
 
 def test_config_and_errors_do_not_import_jax():
-  config = sorted(f"config/{f}" for f in os.listdir(os.path.join(PACKAGE, "config")) if f.endswith(".py"))
+  config = sorted(f"config/{f}" for f in os.listdir(os.path.join(PACKAGE, "config"))
+                  if f.endswith(".py"))
   for name in (*config, "config_files.py", "errors.py"):
     src = open(os.path.join(PACKAGE, name)).read()
     assert not re.search(r"^\s*(import|from) jax\b", src, re.M), name

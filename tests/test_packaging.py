@@ -39,6 +39,7 @@ def test_library_names_the_readme_uses():
   from jaxtrain.core import step
   from jaxtrain.train import loop
   assert callable(jaxtrain.train) and jaxtrain.train.loop is loop
-  assert jaxtrain.train.make_train_step is step.make_train_step is jaxtrain.core.step.make_train_step
+  assert jaxtrain.train.make_train_step is step.make_train_step
+  assert step.make_train_step is jaxtrain.core.step.make_train_step
   assert callable(jaxtrain.read_metrics) and jaxtrain.plot is jaxtrain.plotting.plot
   assert jaxtrain.Task is jaxtrain.train.Task

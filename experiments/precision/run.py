@@ -2,7 +2,8 @@
 
   python experiments/precision/run.py [--quick] [--steps N] [--repeats R] [--root DIR] [--out DIR]
 
-1. Speed: both configs' train steps (the loop's own, `builder.compile_steps`), compiled on one CPU device,
+1. Speed: both configs' train steps (the loop's own, `builder.compile_steps`), compiled on one CPU
+   device,
    then R rounds of one float32 step and one bfloat16 step alternating on the same batches, so that load
    from other processes falls on both alike; median step time -> tokens/s. Compiled memory of each step.
 2. Curves: each config trained from scratch with `jaxtrain.train` (same seed and batches) in --root/NAME,

@@ -1,5 +1,6 @@
-"""Orbax's own reports, quieted: a failed save is one line from Checkpoints (manager.py), not Orbax's
-log records, asyncio's reports of its write tasks, or errors raised at exit by tasks that outlived it."""
+"""Orbax's own reports, quieted: a failed save is one line from Checkpoints (manager.py), not
+Orbax's log records, asyncio's reports of its write tasks, or errors raised at exit by tasks that
+outlived it."""
 
 import logging
 import os

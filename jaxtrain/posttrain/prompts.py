@@ -1,5 +1,6 @@
-"""The RL prompts (JSONL rows with a prompt field, encoded and left-padded, bad rows counted) and their
-batches, shuffled per epoch by the seed, with an exact-resume state: what GRPO and PPO feed."""
+"""The RL prompts (JSONL rows with a prompt field, encoded and left-padded, bad rows counted) and
+their batches, shuffled per epoch by the seed, with an exact-resume state: what GRPO and
+PPO feed."""
 
 import json
 

@@ -133,8 +133,8 @@ def write_config(cfg, workdir: str):
 
 
 def load_config(workdir: str):
-  """The config a workdir was trained with, laid over today's defaults: a key an older version did not
-  write reads its default (written once, in config/), one it wrote that is gone is dropped."""
+  """The config a workdir was trained with, laid over today's defaults: a key an older version did
+  not write reads its default (written once, in config/), one it wrote that is gone is dropped."""
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise config_lib.ConfigError(f"{path} does not exist; is --workdir a training run?")

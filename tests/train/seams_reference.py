@@ -3,11 +3,12 @@ of `tiny`, `moe_tiny` on 2 data x 4 expert, and `text_tiny` on a corpus made her
 
 Recorded once from the commit before the seams refactor (`python -m tests.train.seams_reference --record`)
 into tests/golden/seams_losses.json; tests/train/test_seams_bitwise.py compares every later commit
-against it, float for float, on XLA:CPU with 8 virtual devices. One reference per kind of CPU: XLA:CPU's
-code differs between them (an Intel Xeon and an AMD EPYC host differ in the last bit from tiny's fifth step
-on; two EPYC generations from its fourth), so each was recorded from that commit (6a18526) on its own kind
-of host. The first ones are keyed by vendor alone (GenuineIntel, AuthenticAMD); later ones by
-`fixtures.cpu_kind()` (vendor, family and model), which wins where both are recorded."""
+against it, float for float, on XLA:CPU with 8 virtual devices. One reference per kind of CPU:
+XLA:CPU's code differs between them (an Intel Xeon and an AMD EPYC host differ in the last bit from
+tiny's fifth step on; two EPYC generations from its fourth), so each was recorded from that commit
+(6a18526) on its own kind of host. The first ones are keyed by vendor alone (GenuineIntel,
+AuthenticAMD); later ones by `fixtures.cpu_kind()` (vendor, family and model), which wins where both
+are recorded."""
 
 import json
 import os

@@ -22,7 +22,8 @@ def test_losses_bitwise_equal_to_before_the_seams(runs, name):
     recorded = json.load(f)
   key = ref.reference_key(recorded)
   if key is None:
-    pytest.skip("no reference recorded on this kind of CPU (tests/train/seams_reference.py says how)")
+    pytest.skip("no reference recorded on this kind of CPU "
+                "(tests/train/seams_reference.py says how)")
   want = recorded[key][name]
   tmp, cfgs = runs
   got = ref.losses(cfgs[name], f"{tmp}/{name}")
