@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.kernels import platform
 from jaxtrain.kernels.attention import blockwise, reference
 from jaxtrain.model import axes, context, fp8
 from jaxtrain.model.layers import param, rope
@@ -111,7 +112,7 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
   those batches go to the backend's fallback, said once in the log. Decoding (queries against the
   whole KV cache, a few queries at a time, memory-bound) runs xla unless blockwise was asked for:
   the kernels expect L == S."""
-  backend = backend or jax.default_backend()
+  backend = backend or platform.backend()
   name = cfg.attention
   if name in BACKENDS and backend != BACKENDS[name]:
     raise ConfigError(

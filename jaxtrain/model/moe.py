@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.kernels import platform
 from jaxtrain import collectives
 from jaxtrain.model import axes, fp8
 from jaxtrain.model.layers import param
@@ -188,7 +189,7 @@ def _dispatch_dropless(x_ND, experts_Nk, gates_Nk, weights, cfg, exchange, n_sha
   max_rows = n_shards * n * min(cfg.top_k, local)
   how = cfg.grouped_matmul
   if how == "auto":  # tiles off TPU: faster on CPU and on an H200, see benchmarks/RESULTS.md
-    how = "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
+    how = "ragged_dot" if platform.backend() == "tpu" else "tiles"
   y_MD = _dropless(flat(x_XND), flat(ids_XNk), flat(gates_XNk), weights, local, max_rows, how,
                    cfg.fp8)
   y_XND = exchange(y_MD.astype(x_ND.dtype).reshape(n_shards, n, d), 0)

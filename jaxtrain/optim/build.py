@@ -6,6 +6,7 @@ import jax
 import optax
 
 from jaxtrain import config as config_lib, wire
+from jaxtrain.kernels import platform
 from jaxtrain.optim import compress, reduce
 from jaxtrain.optim import diloco as diloco_lib
 from jaxtrain.optim.guard import skip_nonfinite
@@ -89,7 +90,7 @@ def build(o, steps: int, comm=None, diloco=None, shards: int = 1,
                            block=comm.block, fragments=d.fragments, delay=d.delay, mix=d.mix,
                            drop_prob=d.drop_prob, seed=seed)
   elif comm is not None and config_lib.compressing(comm):
-    if comm.kernel == "pallas" and jax.default_backend() == "cpu":
+    if comm.kernel == "pallas" and platform.backend() == "cpu":
       raise config_lib.ConfigError(
           "comm.kernel=pallas runs on GPU and TPU only (jax's Pallas interpreter cannot run inside "
           "the step's shard_map); use comm.kernel=xla on CPU: the same bits")

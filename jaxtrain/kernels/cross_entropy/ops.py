@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxtrain.kernels.cross_entropy import chunked, kernel, reference
+from jaxtrain.kernels import platform
 
 IMPLEMENTATIONS = ("full", "chunked", "pallas")
 
@@ -115,7 +116,7 @@ def cross_entropy(x_ND, w, targets_N, mask_N, z_loss: float = 0.0, *, w_layout: 
       if block < 16 or block & (block - 1):
         raise ValueError(f"cross_entropy: {name}={block} must be a power of two >= 16")
     if interpret is None:
-      interpret = jax.default_backend() == "cpu"
+      interpret = platform.backend() == "cpu"
     (n, d), v = x_ND.shape, w.shape[1 if w_layout == "DV" else 0]
     block_n, block_v, block_d = min(block_n, _tile(n)), min(block_v,
                                                             _tile(v)), min(block_d, _tile(d))

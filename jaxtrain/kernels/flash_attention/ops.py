@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxtrain.kernels.flash_attention import kernel
+from jaxtrain.kernels import platform
 
 
 def flash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, *,
@@ -29,7 +30,7 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_
     if block < 16 or block & (block - 1):
       raise ValueError(f"{name}={block} must be a power of two >= 16")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = platform.backend() == "cpu"
   block_q = min(block_q, _tile(q_BLHK.shape[1]))
   block_k = min(block_k, _tile(k_BSGK.shape[1]))
   return _flash(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, block_q,

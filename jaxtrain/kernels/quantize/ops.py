@@ -2,9 +2,8 @@
 the Pallas kernel (interpreted on CPU). Not differentiated: it runs on gradients inside the
 optimizer."""
 
-import jax
-
 from jaxtrain import wire
+from jaxtrain.kernels import platform
 from jaxtrain.kernels.quantize import kernel, reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -26,7 +25,7 @@ def quantize_with_feedback(g, error, fmt: str, block: int = 256, scale=None, *, 
   if not spec.pallas:
     raise ValueError(f"quantize_with_feedback: format {fmt} has no Pallas kernel; use impl=xla")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = platform.backend() == "cpu"
   shape = g.shape
   if spec.block_scaled and shape[-1] % block:
     raise ValueError(f"quantize_with_feedback: {fmt} needs a last axis that is a multiple of "

@@ -6,6 +6,7 @@ import functools
 import jax
 
 from jaxtrain.kernels.rms_norm import kernel, reference
+from jaxtrain.kernels import platform
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
@@ -43,7 +44,7 @@ def add_rms_norm(x, residual, scale_D, eps: float, *, impl: str = "xla", block_r
     raise ValueError(f"add_rms_norm: x {x.shape} {x.dtype} and residual {residual.shape} "
                      f"{residual.dtype} differ")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = platform.backend() == "cpu"
   d = x.shape[-1]
   normed, h = _pallas(x.reshape(-1, d), residual.reshape(-1, d), scale_D, float(eps),
                       int(block_rows), bool(interpret))
