@@ -16,7 +16,17 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $@
 
-.PHONY: setup train test test-all test-long bench
+# Compiling for TPU and GPU targets without them (tests/targets): libtpu and the CUDA plugin, in their
+# own environment so that the main one stays CPU-only (libtpu reports its search for TPU hardware when
+# jax starts without JAX_PLATFORMS=cpu).
+TARGETS_VENV := .venv-targets
+$(TARGETS_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(TARGETS_VENV)
+	$(TARGETS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TARGETS_VENV)/bin/python -m pip install --quiet -c constraints.txt -e ".[tpu,cuda]" pytest pytest-xdist
+	touch $@
+
+.PHONY: setup train test test-all test-long test-targets bench
 setup: $(VENV)/.installed
 
 train: setup
@@ -32,6 +42,9 @@ test-all: setup
 # post-training chain), which CI's 90 minutes leave out; run them when their code changes.
 test-long: setup
 	$(PY) -m pytest -q $(XDIST) -m long
+
+test-targets: $(TARGETS_VENV)/.installed
+	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q $(XDIST) tests/targets -m ""
 
 bench: setup
 	$(PY) benchmarks/train_step.py

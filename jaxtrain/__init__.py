@@ -9,6 +9,7 @@ Library API (everything the CLI does):
   # metrics.jsonl: a pandas DataFrame (list of dicts without pandas)
   table = jaxtrain.read_metrics("runs/tiny")
   fig = jaxtrain.plot("runs/tiny", keys=("loss", "eval_loss"))   # matplotlib, entropy floor dashed
+  print(jaxtrain.compile_for(cfg, "tpu-v5p:4x4x4").table())  # memory, FLOPs, collectives; no TPU
 
 Importing jaxtrain does not import jax: the names below that need it are loaded on first use, so
 that JAX_PLATFORMS and XLA_FLAGS set after `import jaxtrain` still take effect.
@@ -30,6 +31,8 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "load_reward_model": ("jaxtrain.posttrain.reward", "load_reward_model"),
     "load_pretrained": ("jaxtrain.checkpoint.pretrained", "load_pretrained"),
     "plot": ("jaxtrain.plotting", "plot"),
+    # compile for a TPU slice or GPUs this host lacks (the tpu / cuda extra)
+    "compile_for": ("jaxtrain.aot.compile", "compile_for"),
 }
 
 

@@ -1,4 +1,4 @@
-"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm,plan} ...
+"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm,plan,compile} ...
 Parses flags, loads the config, calls the library.
 
 Bad flags and bad values end with one line on stderr and exit status 2."""
@@ -107,11 +107,18 @@ def parse(argv):
   plan.add_argument(
       "--device_memory_gib", type=float, default=None, metavar="G",
       help="per-device memory (default: train.device_memory_gib if set, else the device kind's)")
+  compile_ = sub.add_parser(
+      "compile", help="compile a config's train step for a TPU slice or GPUs this host does not "
+                      "have (needs the tpu or cuda extra): per-device memory against HBM, "
+                      "FLOPs, collective bytes by mesh axis; compiled, not executed")
+  compile_.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
+  compile_.add_argument("--target", required=True, metavar="KIND:SHAPE",
+                        help="tpu-v5p:4x4x4, tpu-v5e:16x16, tpu-v6e:8x8, h100:8, h200:8")
   return parser.parse_args(rest), overrides
 
 
 # the commands that take --config and --config.* overrides
-CONFIG_COMMANDS = ("train", "prepare", "comm", "plan")
+CONFIG_COMMANDS = ("train", "prepare", "comm", "plan", "compile")
 DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
                    "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID",
                    "local_device_ids": "JAX_LOCAL_DEVICE_IDS"}
@@ -229,6 +236,17 @@ def _plan(cfg, args) -> int:
   return 0
 
 
+def _compile(cfg, args) -> int:
+  """Prints what the target's compiler says of `cfg`'s train step; exit status 1 if it does not
+  fit."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the target's devices are deviceless; leave ours
+  from jaxtrain.aot import compile_for
+  name = os.path.splitext(os.path.basename(args.config.split(":")[0]))[0]
+  report = compile_for(cfg, args.target, name)
+  print(report.table())
+  return 0 if report.fits else 1
+
+
 def main(argv=None) -> int:
   try:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
@@ -236,6 +254,8 @@ def main(argv=None) -> int:
       cfg = config_files.apply_overrides(config_files.load_config_file(args.config), overrides)
       if args.command == "plan":
         return _plan(cfg, args)
+      if args.command == "compile":
+        return _compile(cfg, args)
       distributed = distributed_options(args, os.environ)
       import jax  # after flag parsing, so that --help and bad flags stay fast
       # jax's own heartbeat timeout after jaxtrain's (train/peers.py), for a clean line

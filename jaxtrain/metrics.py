@@ -18,8 +18,9 @@ PEAK_FLOPS = {
     "A100": {"bfloat16": 312e12, "float32": 19.5e12},
     "L4": {"bfloat16": 121e12, "float32": 30e12},
     "TPU v4": {"bfloat16": 275e12, "float32": 275e12},
+    # device_kind: v5e is "TPU v5 lite", v5p "TPU v5", v6e "TPU v6 lite" (matched in this order)
     "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12},
-    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "TPU v5": {"bfloat16": 459e12, "float32": 459e12},
     "TPU v6": {"bfloat16": 918e12, "float32": 918e12},
 }
 

@@ -266,12 +266,11 @@ def _runs(comps: dict[str, list]) -> dict[str, int]:
   their caller (a conditional's branch at most that often; `comm_every_N` says how rarely)."""
   callers = {}
   for caller, insts in comps.items():
-    for _, _, opcode, _, attrs in insts:
-      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs) if opcode == "while" else None
+    for _, _, opcode, operands, attrs in insts:
+      trips = _trip_count(comps, insts, operands, attrs) if opcode == "while" else 1
       for key, callee in re.findall(
           r"\b(body|condition|calls|to_apply|\w+_computations?)=\{?%?([\w.\-]+)", attrs):
-        callers.setdefault(callee, []).append(
-            (caller, int(trips.group(1)) if trips and key == "body" else 1))
+        callers.setdefault(callee, []).append((caller, trips if key == "body" else 1))
       for group in re.findall(r"\w+_computations=\{([^}]*)\}", attrs):
         for callee in re.findall(r"%?([\w.\-]+)", group)[1:]:  # the first one was found above
           callers.setdefault(callee, []).append((caller, 1))
@@ -282,6 +281,36 @@ def _runs(comps: dict[str, list]) -> dict[str, int]:
       runs[name] = sum(count(caller) * trips for caller, trips in callers.get(name, []))
     return runs[name]
   return {name: count(name) for name in comps}
+
+
+def _trip_count(comps: dict[str, list], caller: list, operands: list, attrs: str) -> int:
+  """A while loop's trip count: XLA's `known_trip_count` (CPU, GPU), else read off the loop (TPU
+  leaves none): a condition `counter < N` on a tuple element that the loop's init sets to a
+  constant c gives N - c; anything else counts once."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r"\bcondition=%?([\w.\-]+)", attrs)
+  insts = {name: (opcode, ops, a) for name, _, opcode, ops, a in comps.get(cond.group(1), [])} \
+      if cond else {}
+  ref = lambda o: o.split()[-1].lstrip("%")
+  for opcode, ops, a in insts.values():
+    if opcode != "compare" or "direction=LT" not in a or len(ops) != 2:
+      continue
+    counter, limit = insts.get(ref(ops[0])), insts.get(ref(ops[1]))
+    if not (counter and limit and counter[0] == "get-tuple-element" and limit[0] == "constant"):
+      continue
+    index = re.search(r"index=(\d+)", counter[2])
+    here = {name: (opcode, ops) for name, _, opcode, ops, _ in caller}
+    init = here.get(ref(operands[0])) if operands else None
+    start = 0
+    if init and init[0] == "tuple" and index and int(index.group(1)) < len(init[1]):
+      element = here.get(ref(init[1][int(index.group(1))]))
+      if element and element[0] == "constant" and element[1][0].lstrip("-").isdigit():
+        start = int(element[1][0])
+    if limit[1][0].lstrip("-").isdigit():
+      return max(int(limit[1][0]) - start, 1)
+  return 1
 
 
 def collectives(hlo_text: str, mesh) -> list[Collective]:

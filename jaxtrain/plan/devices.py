@@ -20,13 +20,17 @@ class Device:
 
 
 # Bandwidths: NVLink 4 (H100/H200) 900 GB/s and NVLink 3 (A100) 600 GB/s both directions; TPU v5p
-# ICI 4,800 Gbit/s per chip; 400 Gbit/s InfiniBand per GPU, 200 Gbit/s DCN per v5p chip. CPU:
-# virtual devices copy through host memory (an assumed 10 GB/s each on a shared 2-core host).
+# ICI 4,800 Gbit/s per chip, v5e 1,600 and v6e 3,200 (a direction: half); 400 Gbit/s InfiniBand
+# per GPU, 200 Gbit/s DCN per v5p chip, 100 per v5e/v6e chip. Memory: v5p 95 GiB HBM, v5e 16, v6e 32.
+# CPU: virtual devices copy through host memory (an assumed 10 GB/s each on a shared 2-core host).
 DEVICES = {
     "h100": Device("h100", 80 * GIB, "H100", 450e9, 50e9),
     "h200": Device("h200", 141e9, "H200", 450e9, 50e9),
     "a100": Device("a100", 80 * GIB, "A100", 300e9, 25e9),
-    "tpu-v5p": Device("tpu-v5p", 95 * GIB, "TPU v5p", 600e9, 25e9),
+    # v5e before v5p: detect() matches device kinds in this order ("TPU v5 lite", "TPU v5")
+    "tpu-v5e": Device("tpu-v5e", 16 * GIB, "TPU v5 lite", 200e9, 12.5e9),
+    "tpu-v5p": Device("tpu-v5p", 95 * GIB, "TPU v5", 600e9, 25e9),
+    "tpu-v6e": Device("tpu-v6e", 32 * GIB, "TPU v6", 400e9, 12.5e9),
     # memory: the host's RAM shared by its devices (memory_bytes)
     "cpu": Device("cpu", 0, "", 10e9, 10e9),
 }
@@ -40,7 +44,8 @@ KINDS = tuple(DEVICES)
 # count: configs/tiny.py on 8 virtual devices and configs/small_20m.py on one reached 0.35-0.39 and
 # 0.31-0.39 on one 2-core development host, 0.41-0.50 and 0.40-0.48 on another, and CI's host ran
 # small_20m at 0.48. 0.4 is the middle of that spread (within 25% of every run on all three hosts).
-EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "cpu": 0.4}
+EFFICIENCY = {"h100": 0.4, "h200": 0.4, "a100": 0.4, "tpu-v5p": 0.4, "tpu-v5e": 0.4, "tpu-v6e": 0.4,
+              "cpu": 0.4}
 
 
 def memory_bytes(kind: str, n_devices: int) -> float:

@@ -20,7 +20,8 @@ MEMORY_KEYS = ("params", "opt_state", "batch", "grads", "activations", "attentio
                "loss_temps", "optimizer_temps", "total")
 # the backward phase; its peak or the update's
 BACKWARD = ("grads", "activations", "attention_temps", "loss_temps")
-BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu", "cpu": "cpu"}
+BACKENDS = {"h100": "gpu", "h200": "gpu", "a100": "gpu", "tpu-v5p": "tpu", "tpu-v5e": "tpu",
+            "tpu-v6e": "tpu", "cpu": "cpu"}
 
 
 @dataclasses.dataclass

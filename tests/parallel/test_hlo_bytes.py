@@ -137,3 +137,37 @@ def test_async_start_forms_and_inline_operand_shapes():
 def test_element_sizes():
   parts = hlo_bytes.shape_parts("(pred[], s4[3]{0}, u4[2], f8e4m3fn[4], bf16[2,2]{1,0}, f32[1024]{0}, token[])")
   assert [b for _, b in parts] == [1, 1.5, 1, 4, 8, 4096, 0]
+
+
+TPU_LOOP = """HloModule m, num_partitions=4
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %limit = s32[] constant(6)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}
+
+%body (p.1: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p.1 = (s32[], f32[8]) parameter(0)
+  %x = f32[8] get-tuple-element(%p.1), index=1
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  ROOT %t.1 = (s32[], f32[8]) tuple(%i.1, %x)
+}
+
+ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+  %a = f32[8] parameter(0)
+  %one = s32[] constant(1)
+  %t = (s32[], f32[8]) tuple(%one, %a)
+  ROOT %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_trip_count_read_off_a_loop_without_known_trip_count():
+  """XLA:TPU leaves no known_trip_count on a scan's while loop: `counter < 6` from an init of 1 runs
+  the body 5 times (and a loop it cannot read, once)."""
+  comps = hlo_bytes._computations(TPU_LOOP)
+  assert hlo_bytes._runs(comps)["body"] == 5
+  unreadable = TPU_LOOP.replace("direction=LT", "direction=NE")
+  assert hlo_bytes._runs(hlo_bytes._computations(unreadable))["body"] == 1

@@ -1,0 +1,157 @@
+"""A config's train step compiled for an accelerator this host does not have: the step the loop
+would run there (`builder.abstract_step` on the target's devices, traced for its backend), compiled
+by that backend's own compiler, and what the compiler says of it.
+
+`compile_for(cfg, "tpu-v5p:4x4x4")` -> `Compiled`: per-device memory (`memory_analysis()`:
+argument, output, temp, alias; total = argument + output + temp - alias, the donated state counted
+once) against the chip's HBM, matmul FLOPs per device (`matmul_flops`: of the traced step, remat's
+recomputation included; `cost_analysis()` counts a scanned layer once), collective bytes by
+mesh axis (`parallel.hlo_bytes`, counted in the compiled HLO) and the time to lower and compile.
+When the compiler refuses the program for want of memory, `fits` is False and `refusal` says what it
+needed. Compiled is not executed: nothing here runs a step."""
+
+import dataclasses
+import math
+import re
+import time
+
+from jax.extend import core as jax_core
+
+from jaxtrain import builder, config as config_lib, metrics, parallel
+from jaxtrain.aot import targets as targets_lib
+from jaxtrain.kernels import platform
+from jaxtrain.model import ModelConfig, active_mlp_params
+from jaxtrain.parallel import hlo_bytes
+
+MEMORY_KEYS = ("argument", "output", "temp", "alias", "total")
+GIB = 1024**3
+
+
+@dataclasses.dataclass
+class Compiled:
+  """What compiling `config` for `target` gave (per device unless a name says otherwise)."""
+  target: str
+  config: str
+  mesh: dict  # axis -> size
+  memory: dict  # MEMORY_KEYS -> bytes; {} when the compiler refused the program
+  hbm_bytes: int
+  flops: float  # per device per step: the traced step's matmuls, remat's recomputation included
+  bytes_accessed: float  # per device per step, by cost_analysis() (a loop body counted once)
+  model_flops: float  # per device per step: metrics.train_flops_per_token x tokens / devices
+  collectives: dict  # "axes dtype" -> bytes one device sends per step
+  lower_s: float
+  compile_s: float
+  refusal: str = ""  # the compiler's own words when it refused the program
+
+  @property
+  def fits(self) -> bool:
+    return not self.refusal and self.memory["total"] <= self.hbm_bytes
+
+  def table(self) -> str:
+    chip = targets_lib.parse(self.target).chip
+    mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "one device"
+    lines = [f"{self.config} on {self.target}: mesh {mesh}",
+             f"lowered in {self.lower_s:.1f} s, compiled in {self.compile_s:.1f} s "
+             f"(compiled, not executed)"]
+    if self.refusal:
+      lines.append(f"does not fit: the compiler refused the program: {self.refusal}")
+    else:
+      m = self.memory
+      lines.append("per-device memory (GiB): " + ", ".join(
+          f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS[:-1]))
+      verdict = "fits" if self.fits else "does not fit"
+      lines.append(f"  total {m['total'] / GIB:.2f} of {self.hbm_bytes / GIB:.2f} HBM "
+                   f"({m['total'] / self.hbm_bytes:.0%}): {verdict}")
+    if self.flops:
+      at_peak = self.flops / chip.bf16_flops
+      lines.append(f"per-device step: {self.flops / 1e12:.2f} TFLOP of matmuls (the model's "
+                   f"{self.model_flops / 1e12:.2f}, the rest recomputation): "
+                   f"{at_peak * 1e3:.1f} ms at the bf16 peak, so MFU <= "
+                   f"{self.model_flops / self.flops:.0%}")
+    if self.collectives:
+      lines.append("collectives, bytes one device sends per step:")
+      for key, value in sorted(self.collectives.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {key:<24} {value / GIB:10.3f} GiB")
+    else:
+      lines.append("collectives: none")
+    return "\n".join(lines)
+
+
+def _refusal(error: Exception) -> str:
+  """The compiler's out-of-memory message in one line, else ''."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "exceeds" not in text.lower():
+    return ""
+  first = next((line for line in text.splitlines() if line.strip()), text)
+  return re.sub(r"\s+", " ", first)[:300]
+
+
+def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
+  """Compiles `cfg`'s train step for `target` (targets.parse's names); see the module docstring.
+  `cfg` is validated against the target's device count first (ConfigError on a bad mesh)."""
+  spec = targets_lib.parse(target)
+  devices = targets_lib.devices(spec)
+  config_lib.validate(cfg, len(devices))
+  with platform.target(spec.platform):
+    start = time.perf_counter()
+    train_fn, state, batch, mesh = builder.abstract_step(cfg, devices)
+    with parallel.activate(mesh, cfg.mesh.rules):
+      traced = train_fn.trace(state, batch)
+      lowered = traced.lower()
+    flops = matmul_flops(traced.jaxpr.jaxpr) / len(devices)
+    lower_s = time.perf_counter() - start
+    start = time.perf_counter()
+    memory, refusal, text, cost = {}, "", "", None
+    try:
+      compiled = lowered.compile()
+    except Exception as e:  # XlaRuntimeError: the compiler's verdict, reported, not raised
+      refusal = _refusal(e)
+      if not refusal:
+        raise
+    else:
+      stats = compiled.memory_analysis()
+      memory = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in MEMORY_KEYS[:-1]}
+      memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+      text, cost = compiled.as_text(), compiled.cost_analysis()
+    compile_s = time.perf_counter() - start
+  if not cost:  # GPU executables carry no cost analysis: XLA's HLO cost model of the module
+    cost = lowered.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  rows = hlo_bytes.collectives(text, mesh) if text else []
+  collectives = {f"{axes} {dtype}": b for (axes, dtype), b in hlo_bytes.by_axis(rows).items()}
+  return Compiled(target=spec.name, config=config_name, mesh=dict(mesh.shape), memory=memory,
+                  hbm_bytes=spec.chip.hbm_bytes, flops=flops,
+                  bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                  model_flops=_model_flops(cfg) / len(devices), collectives=collectives,
+                  lower_s=lower_s, compile_s=compile_s, refusal=refusal)
+
+
+def _model_flops(cfg) -> float:
+  """Matmul FLOPs of one step of the whole model (forward + backward, no recomputation)."""
+  m = ModelConfig.from_config(cfg.model)
+  per_token = metrics.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads,
+                                            m.head_dim, m.d_ff, m.vocab_size, cfg.train.seq_len,
+                                            active_mlp_params(m))
+  return per_token * cfg.train.batch_size * cfg.train.seq_len
+
+
+def matmul_flops(jaxpr, times: int = 1) -> float:
+  """FLOPs of the `dot_general`s of a jaxpr, the whole mesh's (2 x result elements x contracted
+  size): a scan's body `length` times, a shard_map's body once per shard, a cond's costliest
+  branch, a while loop's body once. Pallas kernels count nothing (their bodies are no jaxpr here)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (contracting, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total += (2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
+                * times)
+    inner = times
+    if name == "scan":
+      inner *= eqn.params["length"]
+    elif name == "shard_map":
+      inner *= math.prod(eqn.params["mesh"].shape[a] for a in eqn.params["newly_manual_axes"])
+    counts = [matmul_flops(sub, inner) for sub in jax_core.jaxprs_in_params(eqn.params)]
+    total += max(counts, default=0.0) if name == "cond" else sum(counts)
+  return total

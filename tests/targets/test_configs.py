@@ -1,0 +1,77 @@
+"""Every shipped config's train step compiled by its intended target's own compiler
+(`jaxtrain.compile_for`), not lowered: memory against the chip's HBM, matmul FLOPs against the
+model's, collectives on the mesh axes the config shards over. Compiled, not executed.
+
+Skipped with the reason when libtpu / the CUDA plugin is missing (`make test-targets` installs
+them). Each compile takes 10 s to a few minutes on two cores."""
+
+import pytest
+
+import jaxtrain
+from jaxtrain.aot import compile_for
+
+GIB = 1024**3
+
+# config, target, overrides (the config's own mesh unless said), the mesh axes its collectives use
+CASES = [
+    ("gpt2_small", "tpu-v5p:2x2x1", {}, {"data"}),
+    ("llama_1b", "tpu-v5p:2x2x1", {}, {"fsdp"}),
+    ("llama_8b", "tpu-v5p:4x4x4", {}, {"fsdp"}),  # fsdp 64, batch 256 x 8192
+    ("mixtral_8x7b", "tpu-v5p:4x4x4", {}, {"fsdp", "expert"}),  # fsdp 8 x expert 8
+    ("deepseek_v3_like", "tpu-v5p:8x8x4", {}, {"expert"}),  # expert 256
+    ("long_16k", "tpu-v5e:2x4", {}, {"context"}),  # context 8
+    ("long_32k", "tpu-v5e:2x2", {}, {"context"}),  # context 4, never built beyond eval_shape before
+]
+GPU_CASES = [
+    ("gpt2_small", "h100:8", {"train.batch_size": 16}, {"data"}),
+    ("llama_1b", "h100:8", {}, {"fsdp"}),
+]
+
+
+def _config(name, overrides):
+  cfg = jaxtrain.get_config(f"configs/{name}.py")
+  for key, value in overrides.items():
+    section, field = key.split(".", 1)
+    cfg[section][field] = value
+  return cfg
+
+
+def _check(report, axes):
+  assert not report.refusal, report.refusal
+  m = report.memory
+  assert m["total"] == m["argument"] + m["output"] + m["temp"] - m["alias"]
+  assert 0 < m["total"] <= report.hbm_bytes, report.table()
+  # the donated state is the step's output too: it aliases, so it counts once
+  assert m["alias"] > 0.9 * m["output"], report.table()
+  # the traced step's matmuls are the model's, plus remat's recomputed forward (at most 1/3 more)
+  assert report.model_flops <= report.flops * 1.02, report.table()
+  assert report.flops <= report.model_flops * 1.45, report.table()
+  used = {a for key in report.collectives for a in key.split()[0].split(",")}
+  assert axes <= used, (axes, report.collectives)
+
+
+@pytest.mark.parametrize("name, target, overrides, axes", CASES, ids=[c[0] for c in CASES])
+def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
+  target_devices(target)  # skips without libtpu
+  report = compile_for(_config(name, overrides), target, name)
+  print(report.table())
+  _check(report, axes)
+
+
+@pytest.mark.parametrize("name, target, overrides, axes", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_config_compiles_for_gpu(target_devices, name, target, overrides, axes):
+  target_devices(target)  # skips without the CUDA plugin
+  report = compile_for(_config(name, overrides), target, name)
+  print(report.table())
+  _check(report, axes)
+
+
+def test_refused_program_is_reported_not_raised(target_devices):
+  """gpt2_small's batch of 64 x 1024 without remat on a 4-chip v5e slice (16 GiB each) needs more
+  temporaries than HBM holds: XLA:TPU refuses it, compile_for says so (and `compile` exits 1)."""
+  target_devices("tpu-v5e:2x2")
+  cfg = _config("gpt2_small", {"mesh.data": 1, "mesh.fsdp": -1})
+  report = compile_for(cfg, "tpu-v5e:2x2", "gpt2_small")
+  print(report.table())
+  assert not report.fits
+  assert report.refusal and "does not fit" in report.table()
