@@ -44,7 +44,7 @@ test-long: setup
 	$(PY) -m pytest -q $(XDIST) -m long
 
 test-targets: $(TARGETS_VENV)/.installed
-	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q $(XDIST) tests/targets -m ""
+	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q -n 2 --dist load tests/targets -m "" $(PYTEST_TARGETS)
 
 bench: setup
 	$(PY) benchmarks/train_step.py

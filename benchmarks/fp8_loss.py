@@ -1,11 +1,13 @@
 """Loss of fp8 matmuls (model.fp8=current) against bf16 (model.fp8=off) on small_20m, same seed and data.
 
   python benchmarks/fp8_loss.py [--steps 40] [--batch_size 4] [--seq_len 256] [--workdir DIR]
+                                [--config small_20m]
 
 Both runs: compute_dtype bfloat16 (f32 master weights), one device, checkpoints only at the end. Prints
 each run's final loss, the max and mean absolute per-step loss difference and the median step-time ratio
 (on XLA:CPU fp8 dots are emulated by converts to f32: the ratio says nothing about fp8 hardware), as a
-markdown section for benchmarks/RESULTS.md.
+markdown section for benchmarks/RESULTS.md. `--config` runs another config of configs/ the same way
+(a GPU's fp8 GEMMs pay off at wider matmuls than small_20m's).
 """
 
 import argparse
@@ -25,7 +27,7 @@ from jaxtrain import config_files, metrics  # noqa: E402
 
 
 def run(mode: str, args, workdir: str) -> dict:
-  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", "small_20m.py"))
+  cfg = config_files.load_config_file(os.path.join(ROOT, "configs", f"{args.config}.py"))
   cfg.model.update(compute_dtype="bfloat16", fp8=mode)
   cfg.train.update(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, log_every=1, eval_every=0)
   cfg.optim.update(warmup_steps=min(cfg.optim.warmup_steps, args.steps // 4))
@@ -41,6 +43,7 @@ def main():
   p.add_argument("--batch_size", type=int, default=4)
   p.add_argument("--seq_len", type=int, default=256)
   p.add_argument("--workdir", default="", help="keeps the two runs' workdirs here (default: a temporary dir)")
+  p.add_argument("--config", default="small_20m", help="a config of configs/ (default small_20m)")
   args = p.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     base = args.workdir or tmp
@@ -49,10 +52,11 @@ def main():
   late = slice(2, None)  # step times after compilation and warm-up
   ratio = np.median(on["time"][late]) / np.median(off["time"][late])
   print("\n".join(machine_lines()) + ", 1 device")
+  config = f" --config {args.config}" if args.config != "small_20m" else ""
   print(f"- command: `python benchmarks/fp8_loss.py --steps {args.steps} --batch_size {args.batch_size} "
-        f"--seq_len {args.seq_len}`")
-  print(f"- small_20m, compute_dtype bfloat16, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
-        f"same seed and data\n")
+        f"--seq_len {args.seq_len}{config}`")
+  print(f"- {args.config}, compute_dtype bfloat16, batch {args.batch_size} x {args.seq_len}, "
+        f"{args.steps} steps, same seed and data\n")
   print("| model.fp8 | first loss | final loss | median step |")
   print("|---|---|---|---|")
   for name, r in (("off (bf16)", off), ("current (fp8)", on)):

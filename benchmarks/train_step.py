@@ -1,10 +1,14 @@
 """Train-step throughput and MFU against the matmul peak measured in the same run.
 
-  python benchmarks/train_step.py [--steps 10] [--configs tiny,small_20m] [--record]
+  python benchmarks/train_step.py [--steps 10] [--configs tiny,small_20m] [--batch_size N]
+                                  [--set model.n_layers=4 ...] [--energy] [--record]
 
 For each config: the jitted train step (the loop's own), `steps` timed steps after 2 warm-up steps,
 median step time -> tokens/s and MFU = model FLOPs/s / measured peak. Peak = median of 2048^3 f32
 matmuls, measured before and after the configs (the machine is shared: both are reported).
+`--set KEY=VALUE` overrides a config key in every config, typed as `--config.KEY=VALUE` is (a
+shortened model: fewer layers, a shorter sequence). `--energy` adds the NVML board energy of the
+timed steps (train/goodput.py's meter: joules per token and mean watts; "-" where there is no NVML).
 `--record` appends the table to benchmarks/RESULTS.md.
 """
 
@@ -25,13 +29,16 @@ from jaxtrain import config_files, data, metrics, parallel  # noqa: E402
 from jaxtrain.model import param_count  # noqa: E402
 from jaxtrain import builder  # noqa: E402
 from jaxtrain.core import state as state_lib  # noqa: E402
+from jaxtrain.train import goodput  # noqa: E402
 
 
-def time_config(name: str, steps: int, batch_size: int = 0) -> dict:
+def time_config(name: str, steps: int, batch_size: int = 0, overrides: dict | None = None,
+                energy: bool = False) -> dict:
   cfg = config_files.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
   if batch_size:
     cfg.train.batch_size = batch_size
-  return time_cfg(name, cfg, steps)
+  config_files.apply_overrides(cfg, overrides or {})
+  return time_cfg(name, cfg, steps, energy)
 
 
 class Stepper:
@@ -65,12 +72,21 @@ class Stepper:
       return time.perf_counter() - t
 
 
-def time_cfg(name: str, cfg, steps: int) -> dict:
-  """Median step time of `cfg`'s jitted train step on one device, and what follows from it."""
+def time_cfg(name: str, cfg, steps: int, energy: bool = False) -> dict:
+  """Median step time of `cfg`'s jitted train step on one device, and what follows from it; with
+  `energy`, the NVML energy of the timed steps (None off NVIDIA GPUs or without nvidia-ml-py)."""
   stepper = Stepper(cfg)
+  meter = goodput.gpu_energy_meter() if energy else None
+  start = time.perf_counter()
   step_time = float(np.median([stepper.step() for _ in range(steps)]))
-  return {"config": name, **stepper.sizes, "tokens_per_step": stepper.tokens, "step_time_s": step_time,
-          "tokens_per_sec": stepper.tokens / step_time}
+  result = {"config": name, **stepper.sizes, "tokens_per_step": stepper.tokens,
+            "step_time_s": step_time, "tokens_per_sec": stepper.tokens / step_time}
+  if meter is not None:
+    meter.stop()
+    joules = meter.joules()
+    result.update(energy_j=joules, joules_per_token=joules / (steps * stepper.tokens),
+                  power_w=joules / (time.perf_counter() - start))
+  return result
 
 
 def cpu_name() -> str:
@@ -88,10 +104,18 @@ def main():
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--configs", default="tiny,small_20m")
   parser.add_argument("--batch_size", type=int, default=0, help="override train.batch_size (0: the config's)")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config key in every config (repeatable), e.g. model.n_layers=4")
+  parser.add_argument("--energy", action="store_true",
+                      help="NVML energy of the timed steps (NVIDIA GPUs)")
   parser.add_argument("--record", action="store_true")
   args = parser.parse_args()
+  if any("=" not in item for item in args.set):
+    parser.error("--set takes KEY=VALUE")
+  overrides = dict(item.split("=", 1) for item in args.set)
   peak_before = metrics.measure_matmul_peak()
-  results = [time_config(name, args.steps, args.batch_size) for name in args.configs.split(",")]
+  results = [time_config(name, args.steps, args.batch_size, overrides, args.energy)
+             for name in args.configs.split(",")]
   peak_after = metrics.measure_matmul_peak()
   peak = max(peak_before, peak_after)
   if jax.default_backend() != "cpu":  # accelerators: MFU against the datasheet's dense bf16 peak
@@ -104,19 +128,29 @@ def main():
       "",
       *machine_lines(),
       f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}"
-      f"{f' --batch_size {args.batch_size}' if args.batch_size else ''}`",
+      f"{f' --batch_size {args.batch_size}' if args.batch_size else ''}"
+      f"{''.join(f' --set {item}' for item in args.set)}{' --energy' if args.energy else ''}`",
       f"- f32 matmul peak (2048^3, median of 7): {peak_before / 1e9:.1f} GFLOP/s before, "
       f"{peak_after / 1e9:.1f} after; MFU uses " + ("the higher" if jax.default_backend() == "cpu" else
                                                      f"the datasheet's bf16 peak, {peak / 1e12:.0f} TFLOP/s"),
       "",
-      "| config | params | tokens/step | step (median) | tokens/s | model GFLOP/s | MFU |",
-      "|---|---|---|---|---|---|---|",
+      "| config | params | tokens/step | step (median) | tokens/s | model GFLOP/s | MFU |"
+      + (" energy/token | board W |" if args.energy else ""),
+      "|---|---|---|---|---|---|---|" + ("---|---|" if args.energy else ""),
   ]
   for r in results:
     achieved = r["flops_per_step"] / r["step_time_s"]
     lines.append(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_time_s'] * 1e3:.0f} ms "
-                 f"| {r['tokens_per_sec']:,.0f} | {achieved / 1e9:.1f} | {achieved / peak:.1%} |")
+                 f"| {r['tokens_per_sec']:,.0f} | {achieved / 1e9:.1f} | {achieved / peak:.1%} |"
+                 + (energy_cells(r) if args.energy else ""))
   publish(lines, args.record)
+
+
+def energy_cells(r: dict) -> str:
+  """' energy per token | watts |' cells of a result, '-' without NVML."""
+  if "energy_j" not in r:
+    return " - | - |"
+  return f" {r['joules_per_token'] * 1e3:.3f} mJ | {r['power_w']:.0f} |"
 
 
 def machine_lines() -> list[str]:
