@@ -107,6 +107,12 @@ def parse(argv):
   plan.add_argument(
       "--device_memory_gib", type=float, default=None, metavar="G",
       help="per-device memory (default: train.device_memory_gib if set, else the device kind's)")
+  plan.add_argument("--target", default=None, metavar="KIND:SHAPE",
+                    help="plan for a TPU slice or GPUs (as compile takes them): sets --devices "
+                         "and --device_kind")
+  plan.add_argument("--compiled", action="store_true",
+                    help="also compile the step (for --target, else on this machine's devices) "
+                         "and print the compiler's per-device memory beside the prediction")
   compile_ = sub.add_parser(
       "compile", help="compile a config's train step for a TPU slice or GPUs this host does not "
                       "have (needs the tpu or cuda extra): per-device memory against HBM, "
@@ -213,6 +219,10 @@ def _prepare(cfg, workdir: str) -> int:
 def _plan(cfg, args) -> int:
   """Prints the planner's table for `cfg` (train.batch_size/microbatches=auto:
   the planner's choice first)."""
+  if args.target:
+    from jaxtrain.aot import targets
+    target = targets.parse(args.target)
+    args.device_kind, args.devices = target.kind, target.n_devices
   if args.device_kind:
     # planning for named devices: leave accelerators alone
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -232,8 +242,27 @@ def _plan(cfg, args) -> int:
     cfg = auto.with_train(cfg, batch_size=choice["batch_size"], microbatches=choice["microbatches"])
     print(f"auto (predicted, not compiled): train.batch_size={choice['batch_size']} "
           f"train.microbatches={choice['microbatches']}")
-  print(predict(cfg, n, kind, limit).table())
+  prediction = predict(cfg, n, kind, limit)
+  print(prediction.table())
+  if args.compiled:
+    print(_compiled_line(cfg, args.target, prediction.memory["total"]))
   return 0
+
+
+def _compiled_line(cfg, target, predicted: float) -> str:
+  """The compiler's per-device total for `cfg` (on `target`, else this machine's devices) beside
+  the prediction."""
+  if target:
+    from jaxtrain.aot import compile_for
+    report = compile_for(cfg, target)
+    if report.refusal:
+      return f"compiled (XLA, {target}): refused: {report.refusal}"
+    total, where = report.memory["total"], target
+  else:
+    from jaxtrain.plan.compiled import compiled_memory
+    total, where = compiled_memory(cfg)["total"], "this machine"
+  return (f"compiled (XLA, {where}): {total / 2**30:.2f} GiB per device; "
+          f"predicted / compiled = {predicted / total:.3f}")
 
 
 def _compile(cfg, args) -> int:

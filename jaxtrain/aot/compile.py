@@ -35,17 +35,19 @@ class Compiled:
   mesh: dict  # axis -> size
   memory: dict  # MEMORY_KEYS -> bytes; {} when the compiler refused the program
   hbm_bytes: int
+  usable_bytes: int  # what a jax process may allocate of it (targets.Chip.usable_bytes)
   flops: float  # per device per step: the traced step's matmuls, remat's recomputation included
   bytes_accessed: float  # per device per step, by cost_analysis() (a loop body counted once)
   model_flops: float  # per device per step: metrics.train_flops_per_token x tokens / devices
   collectives: dict  # "axes dtype" -> bytes one device sends per step
   lower_s: float
   compile_s: float
-  refusal: str = ""  # the compiler's own words when it refused the program
+  refusal: str = ""
+  kernels: tuple = ()  # the Pallas kernels the step calls (their FLOPs are not in `flops`)  # the compiler's own words when it refused the program
 
   @property
   def fits(self) -> bool:
-    return not self.refusal and self.memory["total"] <= self.hbm_bytes
+    return not self.refusal and self.memory["total"] <= self.usable_bytes
 
   def table(self) -> str:
     chip = targets_lib.parse(self.target).chip
@@ -60,14 +62,18 @@ class Compiled:
       lines.append("per-device memory (GiB): " + ", ".join(
           f"{k} {m[k] / GIB:.2f}" for k in MEMORY_KEYS[:-1]))
       verdict = "fits" if self.fits else "does not fit"
-      lines.append(f"  total {m['total'] / GIB:.2f} of {self.hbm_bytes / GIB:.2f} HBM "
-                   f"({m['total'] / self.hbm_bytes:.0%}): {verdict}")
+      usable = ("" if self.usable_bytes == self.hbm_bytes else
+                f" (jax may allocate {self.usable_bytes / GIB:.2f})")
+      lines.append(f"  total {m['total'] / GIB:.2f} of {self.hbm_bytes / GIB:.2f} HBM{usable}: "
+                   f"{verdict}")
     if self.flops:
       at_peak = self.flops / chip.bf16_flops
       lines.append(f"per-device step: {self.flops / 1e12:.2f} TFLOP of matmuls (the model's "
                    f"{self.model_flops / 1e12:.2f}, the rest recomputation): "
                    f"{at_peak * 1e3:.1f} ms at the bf16 peak, so MFU <= "
                    f"{self.model_flops / self.flops:.0%}")
+    if self.kernels:
+      lines.append(f"Pallas kernels (their FLOPs not counted above): {', '.join(self.kernels)}")
     if self.collectives:
       lines.append("collectives, bytes one device sends per step:")
       for key, value in sorted(self.collectives.items(), key=lambda kv: -kv[1]):
@@ -99,6 +105,7 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
       traced = train_fn.trace(state, batch)
       lowered = traced.lower()
     flops = matmul_flops(traced.jaxpr.jaxpr) / len(devices)
+    kernels = tuple(sorted(set(kernel_names(traced.jaxpr.jaxpr))))
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
     memory, refusal, text, cost = {}, "", "", None
@@ -120,10 +127,11 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
   rows = hlo_bytes.collectives(text, mesh) if text else []
   collectives = {f"{axes} {dtype}": b for (axes, dtype), b in hlo_bytes.by_axis(rows).items()}
   return Compiled(target=spec.name, config=config_name, mesh=dict(mesh.shape), memory=memory,
-                  hbm_bytes=spec.chip.hbm_bytes, flops=flops,
+                  hbm_bytes=spec.chip.hbm_bytes, usable_bytes=spec.chip.usable_bytes,
+                  flops=flops,
                   bytes_accessed=float(cost.get("bytes accessed", 0.0)),
                   model_flops=_model_flops(cfg) / len(devices), collectives=collectives,
-                  lower_s=lower_s, compile_s=compile_s, refusal=refusal)
+                  lower_s=lower_s, compile_s=compile_s, refusal=refusal, kernels=kernels)
 
 
 def _model_flops(cfg) -> float:
@@ -138,7 +146,7 @@ def _model_flops(cfg) -> float:
 def matmul_flops(jaxpr, times: int = 1) -> float:
   """FLOPs of the `dot_general`s of a jaxpr, the whole mesh's (2 x result elements x contracted
   size): a scan's body `length` times, a shard_map's body once per shard, a cond's costliest
-  branch, a while loop's body once. Pallas kernels count nothing (their bodies are no jaxpr here)."""
+  branch, a while loop's body once. Pallas kernels count nothing (`kernel_names` lists them)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -155,3 +163,12 @@ def matmul_flops(jaxpr, times: int = 1) -> float:
     counts = [matmul_flops(sub, inner) for sub in jax_core.jaxprs_in_params(eqn.params)]
     total += max(counts, default=0.0) if name == "cond" else sum(counts)
   return total
+
+
+def kernel_names(jaxpr):
+  """The names of the Pallas kernels a jaxpr calls, at any depth."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield str(eqn.params.get("name") or eqn.params.get("name_and_src_info") or "pallas_call")
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      yield from kernel_names(sub)

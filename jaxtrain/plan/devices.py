@@ -25,7 +25,7 @@ class Device:
 # CPU: virtual devices copy through host memory (an assumed 10 GB/s each on a shared 2-core host).
 DEVICES = {
     "h100": Device("h100", 80 * GIB, "H100", 450e9, 50e9),
-    "h200": Device("h200", 141e9, "H200", 450e9, 50e9),
+    "h200": Device("h200", 143771 * 2**20, "H200", 450e9, 50e9),  # as our H200's driver reports
     "a100": Device("a100", 80 * GIB, "A100", 300e9, 25e9),
     # v5e before v5p: detect() matches device kinds in this order ("TPU v5 lite", "TPU v5")
     "tpu-v5e": Device("tpu-v5e", 16 * GIB, "TPU v5 lite", 200e9, 12.5e9),

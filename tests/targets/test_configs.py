@@ -36,15 +36,28 @@ def _config(name, overrides):
   return cfg
 
 
-def _check(report, axes):
+def _attention_share(cfg) -> float:
+  """The share of the model's FLOPs in attention's score and value matmuls."""
+  from jaxtrain import metrics
+  from jaxtrain.model import ModelConfig, active_mlp_params
+  m = ModelConfig.from_config(cfg.model)
+  args = (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size)
+  full = metrics.train_flops_per_token(*args, cfg.train.seq_len, active_mlp_params(m))
+  without = metrics.train_flops_per_token(*args, 0, active_mlp_params(m))
+  return (full - without) / full
+
+
+def _check(cfg, report, axes):
   assert not report.refusal, report.refusal
   m = report.memory
   assert m["total"] == m["argument"] + m["output"] + m["temp"] - m["alias"]
-  assert 0 < m["total"] <= report.hbm_bytes, report.table()
+  assert 0 < m["total"] <= report.usable_bytes, report.table()
   # the donated state is the step's output too: it aliases, so it counts once
   assert m["alias"] > 0.9 * m["output"], report.table()
-  # the traced step's matmuls are the model's, plus remat's recomputed forward (at most 1/3 more)
-  assert report.model_flops <= report.flops * 1.02, report.table()
+  # the traced step's matmuls are the model's, plus remat's recomputed forward (at most 1/3 more);
+  # an attention kernel's FLOPs (the model's attention term) are not among them
+  low = 1 - _attention_share(cfg) if report.kernels else 1.0
+  assert report.model_flops * low * 0.98 <= report.flops, report.table()
   assert report.flops <= report.model_flops * 1.45, report.table()
   used = {a for key in report.collectives for a in key.split()[0].split(",")}
   assert axes <= used, (axes, report.collectives)
@@ -53,17 +66,31 @@ def _check(report, axes):
 @pytest.mark.parametrize("name, target, overrides, axes", CASES, ids=[c[0] for c in CASES])
 def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
   target_devices(target)  # skips without libtpu
-  report = compile_for(_config(name, overrides), target, name)
+  cfg = _config(name, overrides)
+  report = compile_for(cfg, target, name)
   print(report.table())
-  _check(report, axes)
+  _check(cfg, report, axes)
 
 
 @pytest.mark.parametrize("name, target, overrides, axes", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_config_compiles_for_gpu(target_devices, name, target, overrides, axes):
   target_devices(target)  # skips without the CUDA plugin
-  report = compile_for(_config(name, overrides), target, name)
+  cfg = _config(name, overrides)
+  report = compile_for(cfg, target, name)
   print(report.table())
-  _check(report, axes)
+  _check(cfg, report, axes)
+
+
+def test_gpu_compile_matches_the_h200_run(target_devices):
+  """gpt2_small's batch of 64 x 1024 (xla attention, as it ran then) on one H200 ran out of memory
+  asking for 113 GiB (benchmarks/RESULTS.md, 2026-11-30): the deviceless compile assigns the same
+  temporaries, and says it does not fit."""
+  target_devices("h200:1")
+  cfg = _config("gpt2_small", {"model.attention": "xla"})
+  report = compile_for(cfg, "h200:1", "gpt2_small")
+  print(report.table())
+  assert 110 * GIB < report.memory["temp"] < 116 * GIB, report.table()
+  assert not report.fits
 
 
 def test_refused_program_is_reported_not_raised(target_devices):
