@@ -8,9 +8,11 @@ of L tokens) in units of the widths: D + HK (embed, q and attention out), F (mlp
 [B, H, L, S] scores of the xla implementation; H x block for blockwise and the fused kernels). Which
 arrays each remat policy keeps follows jaxtrain/model/transformer.py: SAVED. How many copies of each
 a backend holds (Scales): XLA_CPU is XLA:CPU's buffer assignment, fitted on 24 compiled steps of 2-
-and 4-layer models and checked leaving each one out (benchmarks/RESULTS.md, "Planner"); BY_COUNT,
-for GPU and TPU, is the counts themselves, an estimate not yet checked against a compiled step
-there.
+and 4-layer models and checked leaving each one out (benchmarks/RESULTS.md, "Planner"); XLA_TPU is
+the counts with one f32 copy of the logits, fitted on five steps compiled by XLA:TPU
+(tests/targets/planner_grid.FIT) and checked on the shipped configs
+(tests/targets/test_configs.py); BY_COUNT, for GPUs, is the counts themselves, an estimate not yet
+checked against a compiled step there.
 """
 
 import dataclasses
@@ -45,10 +47,15 @@ class Scales:
 # dots and full compiled to the same bytes), so every policy keeps what "none" keeps.
 XLA_CPU = Scales(saved={"none": 1.75, "dots": 1.0, "full": 5.0}, unrolled=1.25, transient=1.2,
                  logits=1.2, grads=2.0, gathered=1.0, optimizer=4.2, optimizer_tokens=1.5)
-# GPU and TPU: the counts themselves (XLA fuses the elementwise ops and updates the moments in
-# place), not yet checked against a compiled step there; remat is assumed to take effect.
+# GPU: the counts themselves (XLA fuses the elementwise ops and updates the moments in place), not
+# yet checked against a compiled step there; remat is assumed to take effect.
 BY_COUNT = Scales(saved={"none": 1.0, "dots": 1.0, "full": 1.0}, unrolled=1.0, transient=1.0,
                   logits=2.0, grads=1.0, gathered=1.0, optimizer=2.0, optimizer_tokens=0.0)
+# XLA:TPU, fitted on gpt2_small and llama_1b steps on a 4-chip v5p slice (each remat policy, data and
+# fsdp, batches of 16-32; benchmarks/RESULTS.md, "Planner on TPU"): the counts, but the logits'
+# gradient takes the logits' own buffer (one f32 [tokens, V] copy, not two). With two, the five
+# steps were over-predicted by 9-64%; with one, by -4% to +15%.
+XLA_TPU = dataclasses.replace(BY_COUNT, logits=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +85,9 @@ def scanned(m: ModelConfig) -> bool:
 def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int, k: Scales) -> dict:
   """{"activations", "attention_temps"} of the backward phase for `tokens` local tokens of one
   microbatch."""
-  remat = m.remat if scanned(m) or k is BY_COUNT else "none"
+  remat = m.remat if scanned(m) or k is not XLA_CPU else "none"
   s_d, s_f, s_s = SAVED[remat]
-  layers = m.n_layers * (k.saved[remat] if scanned(m) or k is BY_COUNT else k.unrolled)
+  layers = m.n_layers * (k.saved[remat] if scanned(m) or k is not XLA_CPU else k.unrolled)
   t = 3 * k.transient
   activations = tokens * act_bytes * ((layers * s_d + t) * (w.d + w.hk) + (layers * s_f + t) * w.f)
   scores = tokens * F32 * w.hs * (layers * s_s + t)
@@ -98,7 +105,7 @@ def loss_bytes(tokens: int, vocab: int, tensor: int, impl: str, token_chunk: int
 
 
 def grads_bytes(params_bytes: int, fsdp: int, m: ModelConfig, microbatches: int, k: Scales) -> int:
-  grads = k.grads if scanned(m) or k is BY_COUNT else k.unrolled
+  grads = k.grads if scanned(m) or k is not XLA_CPU else k.unrolled
   gathered = k.gathered * params_bytes * (fsdp - 1) * min(m.n_layers, 2) / m.n_layers
   return int(params_bytes * (grads + (microbatches > 1)) + gathered)
 

@@ -70,7 +70,7 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind))
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
-  k = act.XLA_CPU if kind == "cpu" else act.BY_COUNT
+  k = {"cpu": act.XLA_CPU, "tpu": act.XLA_TPU}.get(BACKENDS[kind], act.BY_COUNT)
   out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, m,
                                  t.microbatches, k)
   out.update(act.backward_bytes(m, w, tokens, dtype_bytes, k))

@@ -1,7 +1,7 @@
 """The planner against XLA:TPU: predicted per-device memory (`jaxtrain.plan.predict`) beside what
 the TPU compiler assigns to the same train step (`jaxtrain.compile_for`), for the configs the TPU
 scales of jaxtrain/plan/activations.py were fitted on (FIT) and the shipped configs they are checked
-on (CHECK, tests/targets/test_planner.py).
+on (`check`: tests/targets/test_configs.CASES, where the same check is a test).
 
   JAX_PLATFORMS=cpu python -m tests.targets.planner_grid [fit|check]   (needs the tpu extra)
 
@@ -27,16 +27,6 @@ FIT = [
     ("llama_1b b32 full fsdp", "llama_1b", "tpu-v5p:2x2x1",
      {"train.batch_size": 32, "model.remat": "full"}),
 ]
-# the shipped configs on their targets, as tests/targets/test_configs.py compiles them
-CHECK = [
-    ("gpt2_small", "gpt2_small", "tpu-v5p:2x2x1", {}),
-    ("llama_1b", "llama_1b", "tpu-v5p:2x2x1", {}),
-    ("llama_8b", "llama_8b", "tpu-v5p:4x4x4", {}),
-    ("mixtral_8x7b", "mixtral_8x7b", "tpu-v5p:4x4x4", {}),
-    ("long_32k", "long_32k", "tpu-v5e:2x2", {}),
-]
-
-
 def config(name: str, overrides: dict):
   cfg = jaxtrain.get_config(f"configs/{name}.py")
   for key, value in overrides.items():
@@ -59,5 +49,10 @@ def row(label: str, name: str, target: str, overrides: dict, report=None) -> dic
 
 
 if __name__ == "__main__":
-  for case in {"fit": FIT, "check": CHECK}[sys.argv[1] if len(sys.argv) > 1 else "check"]:
+  if sys.argv[1:] == ["fit"]:
+    cases = FIT
+  else:
+    from tests.targets.test_configs import CASES
+    cases = [(name, name, target, overrides) for name, target, overrides, _ in CASES]
+  for case in cases:
     print(json.dumps(row(*case)), flush=True)

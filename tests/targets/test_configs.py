@@ -1,6 +1,8 @@
 """Every shipped config's train step compiled by its intended target's own compiler
 (`jaxtrain.compile_for`), not lowered: memory against the chip's HBM, matmul FLOPs against the
-model's, collectives on the mesh axes the config shards over. Compiled, not executed.
+model's, collectives on the mesh axes the config shards over. Compiled, not executed. On TPU the
+planner's prediction is checked against the same compile, out of sample: its TPU scales were fitted
+on tests/targets/planner_grid.FIT, none of which is a case here.
 
 Skipped with the reason when libtpu / the CUDA plugin is missing (`make test-targets` installs
 them). Each compile takes 10 s to a few minutes on two cores."""
@@ -9,13 +11,15 @@ import pytest
 
 import jaxtrain
 from jaxtrain.aot import compile_for
+from tests.targets import planner_grid
 
 GIB = 1024**3
+PLANNER_TOLERANCE = 0.15  # predicted per-device memory within 15% of the compiler's
 
 # config, target, overrides (the config's own mesh unless said), the mesh axes its collectives use
 CASES = [
     ("gpt2_small", "tpu-v5p:2x2x1", {}, {"data"}),
-    ("llama_1b", "tpu-v5p:2x2x1", {}, {"fsdp"}),
+    ("llama_1b", "tpu-v5p:2x2x4", {}, {"fsdp"}),  # fsdp 16 (on 4 chips: 172 GiB of temporaries)
     ("llama_8b", "tpu-v5p:4x4x4", {}, {"fsdp"}),  # fsdp 64, batch 256 x 8192
     ("mixtral_8x7b", "tpu-v5p:4x4x4", {}, {"fsdp", "expert"}),  # fsdp 8 x expert 8
     ("deepseek_v3_like", "tpu-v5p:8x8x4", {}, {"expert"}),  # expert 256
@@ -70,6 +74,10 @@ def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
   report = compile_for(cfg, target, name)
   print(report.table())
   _check(cfg, report, axes)
+  row = planner_grid.row(name, name, target, overrides, report)
+  print(f"planner, out of sample: predicted / compiled = {row['ratio']:.3f} "
+        f"({row['predicted']['total'] / GIB:.2f} / {report.memory['total'] / GIB:.2f} GiB)")
+  assert abs(row["ratio"] - 1) <= PLANNER_TOLERANCE, row
 
 
 @pytest.mark.parametrize("name, target, overrides, axes", GPU_CASES, ids=[c[0] for c in GPU_CASES])
