@@ -5,9 +5,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import data, metrics as metrics_lib
+from jaxtrain import collectives, data, metrics as metrics_lib
 from jaxtrain.kernels.cross_entropy import ops as ce_ops
-from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, context, param_count
+from jaxtrain.model import (ModelConfig, Transformer, active_mlp_params, axes, context,
+                            param_count)
 from jaxtrain.core.task import Task, process_rows
 
 # model collections kept in the state and updated outside the optimizer
@@ -33,7 +34,8 @@ def fused_cross_entropy(model: Transformer, params, hidden_BLD, targets_BL, mask
   b, l, d = hidden_BLD.shape
   return ce_ops.cross_entropy(hidden_BLD.reshape(b * l, d), w, targets_BL.reshape(-1),
                               mask_BL.reshape(-1), z_loss, w_layout=layout, impl=t.cross_entropy,
-                              token_chunk=t.ce_token_chunk, vocab_chunk=t.ce_vocab_chunk)
+                              token_chunk=t.ce_token_chunk, vocab_chunk=t.ce_vocab_chunk,
+                              tokens=collectives.logical_spec((axes.BATCH, axes.SEQ)))
 
 
 def moe_summary(moe_stats: dict) -> dict:

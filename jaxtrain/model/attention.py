@@ -7,14 +7,17 @@ implementation (`model.attention`) and each builds what it needs; all compute
 
 import functools
 import logging
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxtrain import collectives
 from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
-from jaxtrain.kernels import platform
+from jaxtrain.kernels import manual, platform
 from jaxtrain.kernels.attention import blockwise, reference
 from jaxtrain.model import axes, context, fp8
 from jaxtrain.model.layers import param, rope
@@ -94,8 +97,12 @@ IMPLEMENTATIONS = {
     "pallas": pallas_attention,
     "splash": splash_attention,
 }
-BACKENDS = {"cudnn": "gpu", "splash": "tpu"}  # implementations that run on one backend only
+# The backends an implementation compiles for (tests/targets/test_kernels.py); the others run
+# anywhere. The Pallas flash kernel is Triton's (interpreted on CPU): its blocks do not tile as
+# Mosaic needs.
+BACKENDS = {"cudnn": ("gpu",), "splash": ("tpu",), "pallas": ("gpu", "cpu")}
 IN_ORDER_ONLY = ("cudnn", "splash")  # causal by position in the row: cannot honour permuted indices
+KERNELS = ("pallas", "splash")  # custom calls: compiled, they run per shard (`per_shard`)
 
 
 @functools.cache
@@ -108,16 +115,18 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
   batch.
 
   `packed`: segment ids may hold several documents or padding per row; `in_order`: indices are
-  arange. cudnn honours neither packed documents nor permuted indices, splash no permuted indices:
-  those batches go to the backend's fallback, said once in the log. Decoding (queries against the
-  whole KV cache, a few queries at a time, memory-bound) runs xla unless blockwise was asked for:
-  the kernels expect L == S."""
+  arange. cudnn honours neither packed documents nor permuted indices (jax's cudnn call masks by
+  per-row lengths only), splash no permuted indices: those batches go to xla (blockwise from
+  CPU_BLOCKWISE_FROM keys for permuted indices), said once in the log
+  (not to the Pallas kernel, which no GPU run has checked; model.attention=pallas asks for it).
+  Decoding (queries against the whole KV cache, a few queries at a time, memory-bound) runs xla
+  unless blockwise was asked for: the kernels expect L == S."""
   backend = backend or platform.backend()
   name = cfg.attention
-  if name in BACKENDS and backend != BACKENDS[name]:
+  if name in BACKENDS and backend not in BACKENDS[name]:
     raise ConfigError(
-        f"model.attention={name!r} needs a {BACKENDS[name].upper()}, this is {backend!r}; "
-        f"use auto, xla or blockwise")
+        f"model.attention={name!r} needs a {' or '.join(b.upper() for b in BACKENDS[name])}, "
+        f"this is {backend!r}; use auto, xla or blockwise")
   if name == "auto":
     cpu = "xla" if length < CPU_BLOCKWISE_FROM else "blockwise"
     name = {"tpu": "splash", "gpu": "cudnn"}.get(backend, cpu)
@@ -125,14 +134,36 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
     return "xla"
   if name == "cudnn" and packed:
     _log_once("attention: cudnn cannot mask packed documents (segment ids), "
-              "using pallas for packed batches")
-    return "pallas"
+              "using xla for packed batches")
+    return "xla"
   if name in IN_ORDER_ONLY and not in_order:
-    fallback = "pallas" if backend == "gpu" else "xla"
+    # memory linear in length where the [B, H, L, S] scores would not fit (context parallelism's
+    # load-balanced order at 16K+ on TPU: long_32k's xla step needs 24.67 GiB a v5e chip)
+    fallback = "blockwise" if length >= CPU_BLOCKWISE_FROM else "xla"
     _log_once(f"attention: {name} is causal by position only, "
               f"using {fallback} for permuted token indices")
     return fallback
   return name
+
+
+def per_shard(implementation, check_vma: bool = True):
+  """`implementation` on each device's rows and heads (kernels/manual.per_shard): GSPMD would
+  gather a custom call's operands whole, and Mosaic refuses to be partitioned by it. Heads stay
+  whole where the mesh axes they lie on do not divide both head counts (GQA maps query head h to
+  kv head h // R, shard by shard only if both split alike)."""
+
+  def run(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS):
+    q_spec = collectives.logical_spec((axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
+    kv_spec = collectives.logical_spec((axes.BATCH, axes.SEQ, axes.KV_HEADS, axes.HEAD_DIM))
+    ids_spec = collectives.logical_spec((axes.BATCH, axes.SEQ))
+    ways = math.prod(collectives.axis_size(a) for a in manual.spec_axes(P(q_spec[2])))
+    if q_spec[2] != kv_spec[2] or q_BLHK.shape[2] % ways or k_BSGK.shape[2] % ways:
+      q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
+    run_shard = manual.per_shard(implementation, (q_spec, kv_spec, kv_spec) + (ids_spec,) * 4,
+                                 q_spec, check_vma)
+    return run_shard(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+
+  return run
 
 
 def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg,
@@ -150,6 +181,8 @@ def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_ind
     q_index_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
     k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
   implementation = functools.partial(IMPLEMENTATIONS[name], cfg=cfg)
+  if name in KERNELS and platform.backend() != "cpu":  # CPU: interpreted, under GSPMD as it is
+    implementation = per_shard(implementation, check_vma=name != "splash")
   # the sequence is sharded: each shard's queries against all keys
   if not decode and context.shards() > 1:
     return context.context_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.collectives import constrain
+from jaxtrain.collectives import constrain, logical_spec
 from jaxtrain.config import ModelConfig
 from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
 from jaxtrain.model import axes
@@ -35,7 +35,8 @@ class AddRMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x_BLD, residual_BLD):
     scale_D = param(self, "scale", (x_BLD.shape[-1],), (axes.EMBED,), self.param_dtype, None)
-    return rms_norm_ops.add_rms_norm(x_BLD, residual_BLD, scale_D, self.eps, impl=self.impl)
+    return rms_norm_ops.add_rms_norm(x_BLD, residual_BLD, scale_D, self.eps, impl=self.impl,
+                                     tokens=logical_spec((axes.BATCH, axes.SEQ)))
 
 
 class Block(nn.Module):

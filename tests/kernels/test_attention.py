@@ -96,11 +96,17 @@ def test_pallas_equals_reference():
     ("auto", "cpu", 128, True, True, False, "xla"),
     ("auto", "cpu", attention.CPU_BLOCKWISE_FROM, True, True, False, "blockwise"),
     ("auto", "gpu", 4096, False, True, False, "cudnn"),
-    ("auto", "gpu", 4096, True, True, False, "pallas"),  # cudnn cannot mask packed documents
-    ("auto", "gpu", 4096, False, False, False, "pallas"),  # nor permuted indices
+    # cudnn cannot mask packed documents, nor permuted indices; the Pallas kernel compiles for GPU
+    # but no GPU run has checked it: auto never picks it
+    ("auto", "gpu", 4096, True, True, False, "xla"),
+    ("auto", "gpu", 1024, False, False, False, "xla"),
+    ("auto", "gpu", 4096, False, False, False, "blockwise"),  # permuted and long: memory linear
     ("auto", "tpu", 4096, True, True, False, "splash"),
-    ("auto", "tpu", 4096, True, False, False, "xla"),  # splash's causal mask is by position
-    ("cudnn", "gpu", 4096, True, True, False, "pallas"),
+    ("auto", "tpu", 1024, True, False, False, "xla"),  # splash's causal mask is by position
+    ("auto", "tpu", 4096, True, False, False, "blockwise"),
+    ("cudnn", "gpu", 4096, True, True, False, "xla"),
+    ("pallas", "gpu", 4096, True, False, False, "pallas"),  # asked for: packed and permuted
+    ("pallas", "cpu", 128, True, True, False, "pallas"),  # interpreted
     ("auto", "gpu", 4096, False, True, True, "xla"),  # decoding: queries against the cache
     ("blockwise", "cpu", 4096, True, True, True, "blockwise"),
     ("xla", "gpu", 4096, True, True, False, "xla"),
@@ -110,7 +116,10 @@ def test_choose(name, backend, length, packed, in_order, decode, want):
   assert attention.choose(cfg, length, packed, in_order, decode, backend) == want
 
 
-@pytest.mark.parametrize("name, backend", [("splash", "cpu"), ("splash", "gpu"), ("cudnn", "cpu"), ("cudnn", "tpu")])
+@pytest.mark.parametrize("name, backend", [
+    ("splash", "cpu"), ("splash", "gpu"), ("cudnn", "cpu"), ("cudnn", "tpu"),
+    ("pallas", "tpu"),  # Triton's kernel: Mosaic cannot tile its blocks
+])
 def test_choose_refuses_other_backends(name, backend):
   with pytest.raises(ConfigError, match=f"model.attention='{name}' needs a"):
     attention.choose(ModelConfig(attention=name), 128, True, True, False, backend)

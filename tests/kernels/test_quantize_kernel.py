@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import wire
+from jaxtrain.kernels import platform
 from jaxtrain.kernels.quantize import ops, reference
 from jaxtrain.optim import quantize
 
@@ -68,6 +69,21 @@ def test_kernel_and_reference_equal_the_composition_bitwise(fmt, shape, block, r
       np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{impl} {name}")
   if fmt != "f32":
     assert np.abs(np.asarray(want[2])).max() > 0  # it did quantize
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_int4_tpu_body_equals_the_composition_bitwise(feedback):
+  """Mosaic cannot lower int4's strided loads: on TPU the kernel packs the bytes by a matmul
+  (kernel._int4_by_matmul). Traced for TPU and interpreted here, it gives the same bits."""
+  g, error = _inputs((4, 256), 128, seed=3)
+  error = error if feedback else None
+  want = jax.jit(lambda g, e: _composition(g, e, "int4", 128, None))(g, error)
+  with platform.target("tpu"):
+    got = jax.jit(lambda g, e: ops.quantize_with_feedback(g, e, "int4", 128, impl="pallas",
+                                                          interpret=True))(g, error)
+  for name, a, b in zip(("payload", "scales", "error"), got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
 
 
 def test_round_half_even_is_jnp_round():

@@ -22,11 +22,11 @@ block_v] whatever the width; dx and dw accumulate in their float32 outputs one D
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+from jaxtrain.kernels import compiler, manual
 
 
 def _dot(a, b):
@@ -155,8 +155,7 @@ def _dw_kernel(x_ref, w_ref, targets_ref, lse_ref, coef_ref, g_target_ref, dw_re
 
 
 def _compiler_params(block_n: int, block_v: int, interpret: bool):
-  return None if interpret else plgpu.CompilerParams(
-      num_warps=4 if block_n * block_v <= 64 * 64 else 8, num_stages=2)
+  return compiler.params(1, interpret, num_warps=4 if block_n * block_v <= 64 * 64 else 8)
 
 
 def _specs(x_ND, w, block_n: int, block_v: int, w_layout: str, by: str):
@@ -183,7 +182,7 @@ def forward(x_ND, w, targets_N, *, vocab: int, w_layout: str, block_n: int, bloc
       grid=(n // block_n,),
       in_specs=[x_spec, w_spec, row],
       out_specs=[row, row],
-      out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 2,
+      out_shape=[manual.like((n,), jnp.float32, x_ND)] * 2,
       compiler_params=_compiler_params(block_n, block_v, interpret),
       interpret=interpret,
       name="cross_entropy_forward",
@@ -205,7 +204,7 @@ def backward(x_ND, w, targets_N, lse_N, coef_N, g_target_N, *, vocab: int, w_lay
       grid=(n // block_n,),
       in_specs=[x_spec, w_spec] + [row] * 4,
       out_specs=x_spec,
-      out_shape=jax.ShapeDtypeStruct(x_ND.shape, jnp.float32),
+      out_shape=manual.like(x_ND.shape, jnp.float32, x_ND),
       compiler_params=params,
       interpret=interpret,
       name="cross_entropy_dx",
@@ -217,7 +216,7 @@ def backward(x_ND, w, targets_N, lse_N, coef_N, g_target_N, *, vocab: int, w_lay
       grid=(w.shape[1 if w_layout == "DV" else 0] // block_v,),
       in_specs=[x_spec, w_spec] + [row] * 4,
       out_specs=w_spec,
-      out_shape=jax.ShapeDtypeStruct(w.shape, jnp.float32),
+      out_shape=manual.like(w.shape, jnp.float32, x_ND),  # x's shard's part of dw
       compiler_params=params,
       interpret=interpret,
       name="cross_entropy_dw",

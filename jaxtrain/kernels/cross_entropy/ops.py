@@ -1,15 +1,18 @@
 """The fused output projection + cross-entropy: `cross_entropy` picks an implementation; every one
 but "full" has a custom_vjp whose backward recomputes the logits tile by tile ("chunked" in plain
-JAX, "pallas" in Pallas kernels, interpreted on CPU)."""
+JAX, "pallas" in Pallas kernels: interpreted on CPU, Triton on GPU, run per shard of the
+tokens)."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
+from jaxtrain import collectives
 from jaxtrain.kernels.cross_entropy import chunked, kernel, reference
-from jaxtrain.kernels import platform
+from jaxtrain.kernels import manual, platform
 
 IMPLEMENTATIONS = ("full", "chunked", "pallas")
 
@@ -99,11 +102,12 @@ _pallas.defvjp(_pallas_fwd, _pallas_bwd)
 def cross_entropy(x_ND, w, targets_N, mask_N, z_loss: float = 0.0, *, w_layout: str = "DV",
                   impl: str = "chunked", token_chunk: int = 1024, vocab_chunk: int = 8192,
                   block_n: int = 32, block_v: int = 128, block_d: int = 64,
-                  interpret: bool | None = None):
+                  interpret: bool | None = None, tokens: P | None = None):
   """Sums over tokens (ce, z, tokens) of the logits x w (w [D, V], or [V, D] with w_layout="VD"), as
   reference.cross_entropy; "chunked" never holds more than a [token_chunk, vocab_chunk] tile of
   logits, "pallas" a [block_n, block_v] one, summed over blocks of block_d (powers of two >= 16,
-  shrunk for small inputs; `interpret` defaults to True on CPU)."""
+  shrunk for small inputs; `interpret` defaults to True on CPU; compiled, the kernels run on each
+  shard of the N tokens, laid out as `tokens`, the spec of their [B, L] grid, and w whole)."""
   if w_layout not in ("DV", "VD"):
     raise ValueError(f"w_layout must be DV or VD, got {w_layout!r}")
   if impl == "full":
@@ -117,11 +121,23 @@ def cross_entropy(x_ND, w, targets_N, mask_N, z_loss: float = 0.0, *, w_layout: 
         raise ValueError(f"cross_entropy: {name}={block} must be a power of two >= 16")
     if interpret is None:
       interpret = platform.backend() == "cpu"
-    (n, d), v = x_ND.shape, w.shape[1 if w_layout == "DV" else 0]
-    block_n, block_v, block_d = min(block_n, _tile(n)), min(block_v,
-                                                            _tile(v)), min(block_d, _tile(d))
-    return _pallas(x_ND, w, targets_N.astype(jnp.int32), mask_N.astype(jnp.float32), float(z_loss),
-                   w_layout, block_n, block_v, block_d, bool(interpret))
+    if not interpret and platform.backend() == "tpu":
+      raise ValueError("cross_entropy: the Pallas kernels are Triton's (GPU; interpreted on CPU): "
+                       "they keep w whole per program, which Mosaic would copy into VMEM; on TPU "
+                       "use chunked")
+
+    def run(x_ND, w, targets_N, mask_N):
+      (n, d), v = x_ND.shape, w.shape[1 if w_layout == "DV" else 0]
+      bn, bv, bd = min(block_n, _tile(n)), min(block_v, _tile(v)), min(block_d, _tile(d))
+      return _pallas(x_ND, manual.vary_like(w, x_ND), targets_N, mask_N, float(z_loss), w_layout,
+                     bn, bv, bd, bool(interpret))
+
+    args = (x_ND, w, targets_N.astype(jnp.int32), mask_N.astype(jnp.float32))
+    if interpret:  # Pallas's interpreter cannot run under shard_map (kernels/manual.py)
+      return run(*args)
+    spec = manual.tokens_spec(tokens, 2)
+    summed = lambda *a: collectives.psum(run(*a), manual.spec_axes(spec))
+    return manual.per_shard(summed, (spec, P(), P(spec[0]), P(spec[0])), (P(), P(), P()))(*args)
   raise ValueError(
       f"cross_entropy: unknown implementation {impl!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
 

@@ -10,12 +10,12 @@ and delta are [B, H, L] float32.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+from jaxtrain.kernels import compiler, manual
 
 # Finite: a row whose keys in a tile are all masked keeps a finite running max, so its correction
 # exp(m - m_next) is never exp(-inf + inf) = NaN.
@@ -128,8 +128,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, q_segment_ref, k_segment_ref, q_index_ref,
 
 
 def _compiler_params(block_q, block_k, interpret):
-  return None if interpret else plgpu.CompilerParams(
-      num_warps=4 if block_q * block_k <= 64 * 64 else 8, num_stages=2)
+  return compiler.params(3, interpret, num_warps=4 if block_q * block_k <= 64 * 64 else 8)
 
 
 def forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, *, scale,
@@ -147,8 +146,8 @@ def forward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_in
       grid=(l // block_q, b, h),
       in_specs=[q_spec, kv_spec, kv_spec, q_row, k_row, q_row, k_row],
       out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, bi, hi: (bi, hi, i))],
-      out_shape=[jax.ShapeDtypeStruct(q_BLHK.shape, q_BLHK.dtype),
-                 jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
+      out_shape=[manual.like(q_BLHK.shape, q_BLHK.dtype, q_BLHK),
+                 manual.like((b, h, l), jnp.float32, q_BLHK)],
       compiler_params=_compiler_params(block_q, block_k, interpret),
       interpret=interpret,
       name="flash_attention_forward",
@@ -177,7 +176,7 @@ def backward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_i
       grid=(l // block_q, b, h),
       in_specs=[q_spec, kv_spec, kv_spec, q_row, k_row, q_row, k_row, q_spec, stat, stat],
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q_BLHK.shape, q_BLHK.dtype),
+      out_shape=manual.like(q_BLHK.shape, q_BLHK.dtype, q_BLHK),
       compiler_params=params,
       interpret=interpret,
       name="flash_attention_dq",
@@ -195,8 +194,8 @@ def backward(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_i
       grid=(s // block_k, b, g),
       in_specs=[q_spec, kv_spec, kv_spec, q_row, k_row, q_row, k_row, q_spec, stat, stat],
       out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k_BSGK.shape, k_BSGK.dtype),
-                 jax.ShapeDtypeStruct(v_BSGK.shape, v_BSGK.dtype)],
+      out_shape=[manual.like(k_BSGK.shape, k_BSGK.dtype, k_BSGK),
+                 manual.like(v_BSGK.shape, v_BSGK.dtype, k_BSGK)],
       compiler_params=params,
       interpret=interpret,
       name="flash_attention_dkdv",

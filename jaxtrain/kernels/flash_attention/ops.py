@@ -31,6 +31,10 @@ def flash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_
       raise ValueError(f"{name}={block} must be a power of two >= 16")
   if interpret is None:
     interpret = platform.backend() == "cpu"
+  if not interpret and platform.backend() == "tpu":
+    raise ValueError("flash_attention: a Triton kernel (GPU; interpreted on CPU): its [B, L, H, K] "
+                     "blocks do not tile as Mosaic needs; on TPU use splash "
+                     "(model/attention.splash_attention)")
   block_q = min(block_q, _tile(q_BLHK.shape[1]))
   block_k = min(block_k, _tile(k_BSGK.shape[1]))
   return _flash(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, block_q,

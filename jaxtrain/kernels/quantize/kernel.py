@@ -6,16 +6,16 @@ format's (reference.encode), op for op, so the bits are the same."""
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxtrain import wire
-from jaxtrain.kernels import manual
+from jaxtrain.kernels import compiler, manual, platform
 from jaxtrain.kernels.quantize import reference
 from jaxtrain.wire import blocks, int4
 
 
-def _kernel(*refs, fmt: str, has_error: bool):
+def _kernel(*refs, fmt: str, has_error: bool, strided: bool):
   spec = wire.FORMATS[fmt]
   refs = list(refs)
   g_ref = refs.pop(0)
@@ -25,7 +25,8 @@ def _kernel(*refs, fmt: str, has_error: bool):
   scales_ref = refs.pop(0) if spec.block_scaled else None
   new_error_ref = refs.pop(0)
   if fmt == "int4":
-    return _int4(g_ref, e_ref, payload_ref, scales_ref, new_error_ref)
+    int4_body = _int4 if strided else _int4_by_matmul
+    return int4_body(g_ref, e_ref, payload_ref, scales_ref, new_error_ref)
   x = g_ref[...].astype(jnp.float32)
   if has_error:
     x = x + e_ref[...]
@@ -54,6 +55,24 @@ def _int4(g_ref, e_ref, payload_ref, scales_ref, new_error_ref):
     new_error_ref[:, c] = x - blocks.dequantize(q, scales)
 
 
+def _int4_by_matmul(g_ref, e_ref, payload_ref, scales_ref, new_error_ref):
+  """wire.int4's arithmetic on whole rows, for Mosaic, which cannot lower strided loads: each
+  column's level from its row's scale, then byte j = (level 2j + 8) + 16 (level 2j+1 + 8), one
+  matmul of the levels with a [C, C/2] matrix of 0, 1 and 16 (exact: small integers)."""
+  x = g_ref[...].astype(jnp.float32)
+  if e_ref is not None:
+    x = x + e_ref[...]
+  scales = blocks.scales(jnp.max(jnp.abs(x), axis=-1), int4.QMAX)
+  q = blocks.levels(x, scales, int4.QMAX, reference.round_half_even)
+  new_error_ref[...] = x - blocks.dequantize(q, scales)
+  shape = (x.shape[1], x.shape[1] // 2)
+  col, pair = lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1)
+  weights = jnp.where(col == 2 * pair, 1.0, jnp.where(col == 2 * pair + 1, 16.0, 0.0))
+  byte = jnp.dot(q.astype(jnp.float32) + 8.0, weights, preferred_element_type=jnp.float32)
+  payload_ref[...] = byte.astype(jnp.int32).astype(jnp.uint8)
+  scales_ref[...] = scales[:, None]
+
+
 def quantize_rows(g_RC, e_RC, fmt: str, scale, rows_per_program: int, interpret: bool):
   """g, e [R, C] (e None = no feedback; block-scaled: C is the block) -> (payload [R, C or C/2],
   scales [R] / the shared scale / None, new error [R, C] float32)."""
@@ -77,11 +96,13 @@ def quantize_rows(g_RC, e_RC, fmt: str, scale, rows_per_program: int, interpret:
   out_shape.append(manual.like((r, c), jnp.float32, g_RC))
   out_specs.append(row_spec(c))
   outs = pl.pallas_call(
-      functools.partial(_kernel, fmt=fmt, has_error=e_RC is not None),
+      # Mosaic (TPU) cannot lower int4's strided loads
+      functools.partial(_kernel, fmt=fmt, has_error=e_RC is not None,
+                        strided=platform.backend() != "tpu"),
       out_shape=tuple(out_shape), grid=(pl.cdiv(r, br),), in_specs=in_specs,
       out_specs=tuple(out_specs), interpret=interpret, name=f"quantize_{fmt}_with_feedback",
       # Triton on NVIDIA GPUs (else jax 0.10 picks Mosaic GPU, which cannot reduce over an axis)
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=compiler.params(1, interpret, num_warps=4, num_stages=1),
   )(*args)
   if spec.block_scaled:
     return outs[0], outs[1][:, 0], outs[2]

@@ -2,8 +2,10 @@
 the Pallas kernel (interpreted on CPU). Not differentiated: it runs on gradients inside the
 optimizer."""
 
+from jax.sharding import PartitionSpec as P
+
 from jaxtrain import wire
-from jaxtrain.kernels import platform
+from jaxtrain.kernels import manual, platform
 from jaxtrain.kernels.quantize import kernel, reference
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -33,8 +35,11 @@ def quantize_with_feedback(g, error, fmt: str, block: int = 256, scale=None, *, 
   # rows of one block where they fit, else of the last axis
   cols = block if g.size % block == 0 else shape[-1]
   e = None if error is None else error.reshape(-1, cols)
-  payload, scales, new_error = kernel.quantize_rows(g.reshape(-1, cols), e, fmt, scale,
-                                                    rows_per_program, interpret)
+  run = lambda g_RC, e_RC, scale: kernel.quantize_rows(g_RC, e_RC, fmt, scale, rows_per_program,
+                                                       interpret)
+  if not interpret:  # compiled: on each device's copy (Mosaic wants every mesh axis manual)
+    run = manual.per_shard(run, (P(), P(), P()), (P(), P(), P()))
+  payload, scales, new_error = run(g.reshape(-1, cols), e, scale)
   payload = payload.reshape(*shape[:-1], spec.payload_size(shape[-1]))
   if spec.block_scaled:
     scales = scales.reshape(*shape[:-1], shape[-1] // block)
