@@ -127,9 +127,13 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
     raise ConfigError(
         f"model.attention={name!r} needs a {' or '.join(b.upper() for b in BACKENDS[name])}, "
         f"this is {backend!r}; use auto, xla or blockwise")
+  half = jnp.dtype(cfg.compute_dtype).itemsize == 2  # cuDNN's fused attention takes no float32
+  if name == "cudnn" and not half:
+    raise ConfigError(f"model.attention='cudnn' needs compute_dtype bfloat16 or float16, got "
+                      f"{cfg.compute_dtype!r}; use auto, xla or blockwise")
   if name == "auto":
     cpu = "xla" if length < CPU_BLOCKWISE_FROM else "blockwise"
-    name = {"tpu": "splash", "gpu": "cudnn"}.get(backend, cpu)
+    name = {"tpu": "splash", "gpu": "cudnn" if half else cpu}.get(backend, cpu)
   if decode and name != "blockwise":
     return "xla"
   if name == "cudnn" and packed:

@@ -92,6 +92,18 @@ def test_pallas_equals_reference():
                loss_and_grads(reference.attention, args), jnp.float32)
 
 
+def test_choose_float32_on_gpu_takes_no_cudnn():
+  """cuDNN's fused attention takes bf16/fp16 only: a float32 model on a GPU (long_16k, moe_tiny
+  compiled for H100 failed there: "Q must be fp16/bf16/fp8") takes xla or blockwise, and asking for
+  cudnn is a one-line error."""
+  cfg = ModelConfig(attention="auto", compute_dtype="float32")
+  assert attention.choose(cfg, 1024, packed=False, in_order=True, backend="gpu") == "xla"
+  assert attention.choose(cfg, 16384, packed=False, in_order=True, backend="gpu") == "blockwise"
+  with pytest.raises(ConfigError, match="compute_dtype"):
+    attention.choose(ModelConfig(attention="cudnn", compute_dtype="float32"), 1024, False, True,
+                     backend="gpu")
+
+
 @pytest.mark.parametrize("name, backend, length, packed, in_order, decode, want", [
     ("auto", "cpu", 128, True, True, False, "xla"),
     ("auto", "cpu", attention.CPU_BLOCKWISE_FROM, True, True, False, "blockwise"),
@@ -112,7 +124,7 @@ def test_pallas_equals_reference():
     ("xla", "gpu", 4096, True, True, False, "xla"),
 ])
 def test_choose(name, backend, length, packed, in_order, decode, want):
-  cfg = ModelConfig(attention=name)
+  cfg = ModelConfig(attention=name, compute_dtype="bfloat16")
   assert attention.choose(cfg, length, packed, in_order, decode, backend) == want
 
 

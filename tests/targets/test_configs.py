@@ -33,6 +33,8 @@ CASES = [
 GPU_CASES = [
     ("gpt2_small", "h100:8", {"train.batch_size": 16}, {"data"}),
     ("llama_1b", "h100:8", {"train.batch_size": 32, "model.remat": "full"}, {"fsdp"}),
+    # float32: no cuDNN attention (bf16/fp16 only); permuted indices at 16K: blockwise
+    ("long_16k", "h100:8", {}, {"context"}),
 ]
 
 
