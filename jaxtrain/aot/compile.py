@@ -144,14 +144,16 @@ def _model_flops(cfg) -> float:
 
 
 def matmul_flops(jaxpr, times: int = 1) -> float:
-  """FLOPs of the `dot_general`s of a jaxpr, the whole mesh's (2 x result elements x contracted
+  """FLOPs of the `dot_general`s (and MoE's `ragged_dot`s) of a jaxpr, the whole mesh's (2 x result elements x contracted
   size): a scan's body `length` times, a shard_map's body once per shard, a cond's costliest
   branch, a while loop's body once. Pallas kernels count nothing (`kernel_names` lists them)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "dot_general":
-      (contracting, _), _ = eqn.params["dimension_numbers"]
+    if name in ("dot_general", "ragged_dot_general"):  # ragged: each row against its group's
+      numbers = (eqn.params["dimension_numbers"] if name == "dot_general" else
+                 eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers)
+      (contracting, _), _ = numbers
       lhs = eqn.invars[0].aval.shape
       total += (2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contracting)
                 * times)

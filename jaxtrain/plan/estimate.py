@@ -231,5 +231,8 @@ def format_table(p: Plan) -> str:
   if p.moe and p.device_kind != "cpu":
     rows += [("note", "MoE dispatch buffers are not modelled on accelerators: mixtral_8x7b on 64 "
                       "v5p chips compiled to 1.57x this prediction (plan --compiled)")]
+  if p.mesh.get("context", 1) > 1 and p.device_kind != "cpu":
+    rows += [("note", "attention's saved blocks under context parallelism are not modelled on "
+                      "accelerators: check with plan --compiled")]
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -53,6 +53,6 @@ if __name__ == "__main__":
     cases = FIT
   else:
     from tests.targets.test_configs import CASES
-    cases = [(name, name, target, overrides) for name, target, overrides, _ in CASES]
+    cases = [(c[0], c[0], c[1], c[2]) for c in (getattr(c, "values", c) for c in CASES)]
   for case in cases:
     print(json.dumps(row(*case)), flush=True)
