@@ -43,7 +43,8 @@ class Compiled:
   lower_s: float
   compile_s: float
   refusal: str = ""
-  kernels: tuple = ()  # the Pallas kernels the step calls (their FLOPs are not in `flops`)  # the compiler's own words when it refused the program
+  kernels: tuple = ()  # the Pallas kernels the step calls (their FLOPs are not in `flops`)
+  ragged_flops: float = 0.0  # per device: ragged dots (dropless MoE) at their static size, at most  # the compiler's own words when it refused the program
 
   @property
   def fits(self) -> bool:
@@ -68,10 +69,14 @@ class Compiled:
                    f"{verdict}")
     if self.flops:
       at_peak = self.flops / chip.bf16_flops
+      bound = ("" if self.kernels or self.ragged_flops else
+               f", so MFU <= {self.model_flops / self.flops:.0%}")
       lines.append(f"per-device step: {self.flops / 1e12:.2f} TFLOP of matmuls (the model's "
                    f"{self.model_flops / 1e12:.2f}, the rest recomputation): "
-                   f"{at_peak * 1e3:.1f} ms at the bf16 peak, so MFU <= "
-                   f"{self.model_flops / self.flops:.0%}")
+                   f"{at_peak * 1e3:.1f} ms at the bf16 peak{bound}")
+    if self.ragged_flops:
+      lines.append(f"ragged dots (dropless experts; not counted above): at most "
+                   f"{self.ragged_flops / 1e12:.2f} TFLOP (their buffers' static size)")
     if self.kernels:
       lines.append(f"Pallas kernels (their FLOPs not counted above): {', '.join(self.kernels)}")
     if self.collectives:
@@ -105,6 +110,7 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
       traced = train_fn.trace(state, batch)
       lowered = traced.lower()
     flops = matmul_flops(traced.jaxpr.jaxpr) / len(devices)
+    ragged_flops = matmul_flops(traced.jaxpr.jaxpr, dot="ragged_dot_general") / len(devices)
     kernels = tuple(sorted(set(kernel_names(traced.jaxpr.jaxpr))))
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -131,7 +137,8 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
                   flops=flops,
                   bytes_accessed=float(cost.get("bytes accessed", 0.0)),
                   model_flops=_model_flops(cfg) / len(devices), collectives=collectives,
-                  lower_s=lower_s, compile_s=compile_s, refusal=refusal, kernels=kernels)
+                  lower_s=lower_s, compile_s=compile_s, refusal=refusal, kernels=kernels,
+                  ragged_flops=ragged_flops)
 
 
 def _model_flops(cfg) -> float:
@@ -143,15 +150,16 @@ def _model_flops(cfg) -> float:
   return per_token * cfg.train.batch_size * cfg.train.seq_len
 
 
-def matmul_flops(jaxpr, times: int = 1) -> float:
-  """FLOPs of the `dot_general`s (and MoE's `ragged_dot`s) of a jaxpr, the whole mesh's (2 x result elements x contracted
+def matmul_flops(jaxpr, times: int = 1, dot: str = "dot_general") -> float:
+  """FLOPs of the `dot_general`s of a jaxpr (`dot="ragged_dot_general"`: of its ragged dots, MoE's
+  dropless experts, at their static size: every row of the buffer, an upper bound), the whole mesh's (2 x result elements x contracted
   size): a scan's body `length` times, a shard_map's body once per shard, a cond's costliest
   branch, a while loop's body once. Pallas kernels count nothing (`kernel_names` lists them)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in ("dot_general", "ragged_dot_general"):  # ragged: each row against its group's
-      numbers = (eqn.params["dimension_numbers"] if name == "dot_general" else
+    if name == dot:
+      numbers = (eqn.params["dimension_numbers"] if dot == "dot_general" else
                  eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers)
       (contracting, _), _ = numbers
       lhs = eqn.invars[0].aval.shape
@@ -162,7 +170,7 @@ def matmul_flops(jaxpr, times: int = 1) -> float:
       inner *= eqn.params["length"]
     elif name == "shard_map":
       inner *= math.prod(eqn.params["mesh"].shape[a] for a in eqn.params["newly_manual_axes"])
-    counts = [matmul_flops(sub, inner) for sub in jax_core.jaxprs_in_params(eqn.params)]
+    counts = [matmul_flops(sub, inner, dot) for sub in jax_core.jaxprs_in_params(eqn.params)]
     total += max(counts, default=0.0) if name == "cond" else sum(counts)
   return total
 

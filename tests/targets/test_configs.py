@@ -69,7 +69,8 @@ def _check(cfg, report, axes):
   # the traced step's matmuls are the model's, plus remat's recomputed forward (at most 1/3 more);
   # an attention kernel's FLOPs (the model's attention term) are not among them
   low = 1 - _attention_share(cfg) if report.kernels else 1.0
-  assert report.model_flops * low * 0.98 <= report.flops, report.table()
+  if not report.ragged_flops:  # dropless experts' FLOPs are known only as a bound
+    assert report.model_flops * low * 0.98 <= report.flops, report.table()
   assert report.flops <= report.model_flops * 1.45, report.table()
   used = {a for key in report.collectives for a in key.split()[0].split(",")}
   assert axes <= used, (axes, report.collectives)
@@ -116,11 +117,24 @@ def test_gpu_compile_matches_the_h200_run(target_devices):
 
 
 def test_refused_program_is_reported_not_raised(target_devices):
-  """gpt2_small's batch of 64 x 1024 without remat on a 4-chip v5e slice (16 GiB each) needs more
-  temporaries than HBM holds: XLA:TPU refuses it, compile_for says so (and `compile` exits 1)."""
+  """Two layers of gpt2_small with 64 rows of 1024 tokens a chip on a v5e slice (16 GiB each): XLA:TPU
+  refuses the program (19.79 GiB of temporaries, 2026-12-03); compile_for reports the refusal in
+  the compiler's words instead of raising, and `compile` exits 1."""
+  target_devices("tpu-v5e:2x2")
+  cfg = _config("gpt2_small", {"model.n_layers": 2, "train.batch_size": 256})
+  report = compile_for(cfg, "tpu-v5e:2x2", "gpt2_small")
+  print(report.table())
+  assert not report.fits and "RESOURCE_EXHAUSTED" in report.refusal
+  assert "does not fit: the compiler refused the program" in report.table()
+
+
+def test_over_hbm_is_does_not_fit(target_devices):
+  """gpt2_small's batch of 64 x 1024 without remat, fsdp over a 4-chip v5e slice: XLA:TPU accepts it
+  (with splash attention) at 16.85 GiB a chip, over the chip's 16 GiB: compile_for says it does not
+  fit (before splash, the xla attention's scores made XLA refuse it at 25.66 GiB)."""
   target_devices("tpu-v5e:2x2")
   cfg = _config("gpt2_small", {"mesh.data": 1, "mesh.fsdp": -1})
   report = compile_for(cfg, "tpu-v5e:2x2", "gpt2_small")
   print(report.table())
   assert not report.fits
-  assert report.refusal and "does not fit" in report.table()
+  assert report.refusal or report.memory["total"] > report.usable_bytes

@@ -254,7 +254,7 @@ def test_cudnn_is_auto_and_compiles_for_gpu(target_devices, name):
   take xla: jax's cuDNN call masks by per-row lengths only)."""
   devices = target_devices(GPU)
   m, l = _model(name)
-  cfg = ModelConfig(attention="auto")
+  cfg = ModelConfig(attention="auto", compute_dtype="bfloat16")  # cuDNN takes no float32
   assert attention.choose(cfg, l, False, True, backend="gpu") == "cudnn"
   assert attention.choose(cfg, l, True, True, backend="gpu") == "xla"
   q = ((1, l, m.n_heads, m.head_dim), jnp.bfloat16, P())
