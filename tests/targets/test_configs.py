@@ -126,15 +126,3 @@ def test_refused_program_is_reported_not_raised(target_devices):
   print(report.table())
   assert not report.fits and "RESOURCE_EXHAUSTED" in report.refusal
   assert "does not fit: the compiler refused the program" in report.table()
-
-
-def test_over_hbm_is_does_not_fit(target_devices):
-  """gpt2_small's batch of 64 x 1024 without remat, fsdp over a 4-chip v5e slice: XLA:TPU accepts it
-  (with splash attention) at 16.85 GiB a chip, over the chip's 16 GiB: compile_for says it does not
-  fit (before splash, the xla attention's scores made XLA refuse it at 25.66 GiB)."""
-  target_devices("tpu-v5e:2x2")
-  cfg = _config("gpt2_small", {"mesh.data": 1, "mesh.fsdp": -1})
-  report = compile_for(cfg, "tpu-v5e:2x2", "gpt2_small")
-  print(report.table())
-  assert not report.fits
-  assert report.refusal or report.memory["total"] > report.usable_bytes
