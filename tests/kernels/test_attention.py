@@ -139,7 +139,7 @@ def test_choose_refuses_other_backends(name, backend):
 
 def test_fallback_said_once_in_the_log(caplog):
   attention._log_once.cache_clear()
-  cfg = ModelConfig(attention="cudnn")
+  cfg = ModelConfig(attention="cudnn", compute_dtype="bfloat16")
   with caplog.at_level("WARNING", logger=attention.__name__):
     for _ in range(3):
       attention.choose(cfg, 4096, True, True, False, "gpu")
