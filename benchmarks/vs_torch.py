@@ -11,6 +11,14 @@ warmed up, then `rounds` rounds in which each runs `steps` steps in turn on the 
 that load from other processes falls on all alike. Median step time -> tokens/s, and each one's
 ratio to torch eager. torch is a bench-only dependency (`pip install -e ".[bench]"`; the test extra
 has it too). `--record` appends the table to benchmarks/RESULTS.md.
+
+  python benchmarks/vs_torch.py --profile [--profile_steps 1]
+  python benchmarks/vs_torch.py --tries ynn_off,fused_gate_up [--rounds 5 --steps 1]
+
+`--profile`: where the time goes, torch eager and jaxtrain per op and by category, and the matmul
+GFLOP/s of each (vs_torch_profile.py), after a short interleaved timing. `--tries`: jaxtrain built
+other ways (XLA options, config, patches: vs_torch_tries.TRIES), timed interleaved with torch eager
+and the unchanged jaxtrain step.
 """
 
 import argparse
@@ -39,16 +47,23 @@ def small_20m():
 
 class Jaxtrain:
   """The loop's own train step of small_20m on one device; `step(tokens_BL)` returns once its
-  metrics are on the host."""
-  name = "jaxtrain"
+  metrics are on the host. With `compiler_options` (XLA debug options, {} for none) the step is
+  compiled ahead of time with them, and `compiled` holds the executable (its HLO names the thunks
+  of a profile)."""
 
-  def __init__(self, cfg):
+  def __init__(self, cfg, name: str = "jaxtrain", compiler_options: dict | None = None):
+    self.name, self.compiled = name, None
     mesh, task, tx, schedule = builder.build(cfg, "", jax.devices()[:1])
     self.state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
     self.feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
     self.context = lambda: parallel.activate(mesh, cfg.mesh.rules)
     with self.context():
       self.train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
+      if compiler_options is not None:
+        rows = np.zeros((task.batch_size, cfg.train.seq_len + 1), np.int32)
+        self.compiled = self.train_fn.lower(self.state, self.feed.put(lm_batch(rows))).compile(
+            compiler_options)
+        self.train_fn = self.compiled
 
   def step(self, tokens_BL) -> float:
     batch = self.feed.put(lm_batch(tokens_BL))
@@ -147,43 +162,87 @@ def _decoder(torch, m):
 
 
 def measure(trainers, batches, rounds: int, steps: int) -> dict:
-  """Median seconds per step of each trainer over `rounds` interleaved rounds of `steps` steps."""
+  """Seconds of each step of each trainer over `rounds` interleaved rounds of `steps` steps."""
   times = {t.name: [] for t in trainers}
   for r in range(rounds):
     for t in trainers:
       for s in range(steps):
         times[t.name].append(t.step(batches[(r * steps + s) % len(batches)]))
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  return times
+
+
+def format_table(times: dict, tokens: int, extra: bool) -> str:
+  """Median step, tokens/s and ratio to torch eager of each trainer; `extra`: also the ratio to
+  jaxtrain and the fastest step (the least loaded one) with its ratio to torch eager's fastest."""
+  median = {name: statistics.median(ts) for name, ts in times.items()}
+  eager, base = median["torch eager"], median["jaxtrain"]
+  lines = ["| trainer | step (median) | tokens/s | vs torch eager |", "|---|---|---|---|"]
+  if extra:
+    lines = [lines[0] + " vs jaxtrain | fastest step | fastest vs torch eager's |",
+             lines[1] + "---|---|---|"]
+  for name, seconds in median.items():
+    lines.append(f"| {name} | {seconds * 1e3:.0f} ms | {tokens / seconds:,.0f} | "
+                 f"{eager / seconds:.2f}x |")
+    if extra:
+      best = min(times[name])
+      lines[-1] += (f" {base / seconds:.2f}x | {best * 1e3:.0f} ms | "
+                    f"{min(times['torch eager']) / best:.2f}x |")
+  return "\n".join(lines)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rounds", type=int, default=7)
-  parser.add_argument("--steps", type=int, default=3, help="steps per trainer per round")
-  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--rounds", type=int, help="default 7 (--profile: 3)")
+  parser.add_argument("--steps", type=int, help="steps per trainer per round: 3 (--profile: 1)")
+  parser.add_argument("--warmup", type=int, help="default 3 (--profile: 2)")
   parser.add_argument("--no_compile", action="store_true", help="leave torch.compile out")
   parser.add_argument("--record", action="store_true",
                       help="append the table to benchmarks/RESULTS.md")
+  parser.add_argument("--profile", action="store_true",
+                      help="per-op profile of torch eager and jaxtrain (and --tries; leaves "
+                      "torch.compile out)")
+  parser.add_argument("--profile_steps", type=int, default=1, help="steps profiled per trainer")
+  parser.add_argument("--tries", default="",
+                      help="comma-separated vs_torch_tries.TRIES, each timed beside jaxtrain")
   args = parser.parse_args(argv)
+  if args.tries:
+    import vs_torch_tries
+    unknown = set(args.tries.split(",")) - set(vs_torch_tries.TRIES)
+    if unknown:
+      parser.error(f"--tries: unknown {', '.join(sorted(unknown))}; choose from "
+                   f"{', '.join(vs_torch_tries.TRIES)}")
+  defaults = (3, 1, 2) if args.profile else (7, 3, 3)  # a profile run stays within minutes
+  for key, value in zip(("rounds", "steps", "warmup"), defaults, strict=True):
+    if getattr(args, key) is None:
+      setattr(args, key, value)
   import torch
   cfg = small_20m()
   rng = np.random.default_rng(0)
   tokens = cfg.train.batch_size * cfg.train.seq_len  # rows of seq_len + 1: inputs, targets
   batches = [rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1),
                           dtype=np.int32) for _ in range(4)]
-  trainers = [Torch(cfg, compiled=False)] + ([] if args.no_compile else [Torch(cfg, compiled=True)])
-  trainers.append(Jaxtrain(cfg))
+  load = os.getloadavg()
+  trainers = [Torch(cfg, compiled=False)]
+  trainers += [] if args.no_compile or args.profile or args.tries else [Torch(cfg, compiled=True)]
+  trainers.append(Jaxtrain(cfg, compiler_options={} if args.profile else None))
+  if args.tries:
+    trainers += [vs_torch_tries.build(name, small_20m, Jaxtrain) for name in args.tries.split(",")]
   for t in trainers:  # compile and warm up each, outside the timed rounds
     for i in range(args.warmup):
       t.step(batches[i % len(batches)])
-  median = measure(trainers, batches, args.rounds, args.steps)
-  eager = median["torch eager"]
-  lines = ["| trainer | step (median) | tokens/s | vs torch eager |", "|---|---|---|---|"]
-  for name, seconds in median.items():
-    lines.append(f"| {name} | {seconds * 1e3:.0f} ms | {tokens / seconds:,.0f} | "
-                 f"{eager / seconds:.2f}x |")
-  table = "\n".join(lines)
+  times = measure(trainers, batches, args.rounds, args.steps)
+  extra = bool(args.profile or args.tries)
+  table = format_table(times, tokens, extra)
+  if extra:
+    table += (f"\n\n1-minute load average {load[0]:.1f} before building, "
+              f"{os.getloadavg()[0]:.1f} after timing; {args.rounds} rounds x {args.steps} steps, "
+              f"interleaved, {torch.get_num_threads()} torch threads, {os.cpu_count()} cores.")
   print(table)
+  if args.profile:
+    import vs_torch_profile
+    jax_trainers = [t for t in trainers if isinstance(t, Jaxtrain)]
+    print("\n" + vs_torch_profile.report(trainers[0], jax_trainers, cfg, batches,
+                                         args.profile_steps, matmul_rounds=5))
   if args.record:
     cmd = "python benchmarks/vs_torch.py " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
