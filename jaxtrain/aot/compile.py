@@ -37,14 +37,13 @@ class Compiled:
   hbm_bytes: int
   usable_bytes: int  # what a jax process may allocate of it (targets.Chip.usable_bytes)
   flops: float  # per device per step: the traced step's matmuls, remat's recomputation included
-  bytes_accessed: float  # per device per step, by cost_analysis() (a loop body counted once)
   model_flops: float  # per device per step: metrics.train_flops_per_token x tokens / devices
   collectives: dict  # "axes dtype" -> bytes one device sends per step
   lower_s: float
   compile_s: float
-  refusal: str = ""
+  refusal: str = ""  # the compiler's own words when it refused the program
   kernels: tuple = ()  # the Pallas kernels the step calls (their FLOPs are not in `flops`)
-  ragged_flops: float = 0.0  # per device: ragged dots (dropless MoE) at their static size, at most  # the compiler's own words when it refused the program
+  ragged_flops: float = 0.0  # per device: dropless MoE's ragged dots at their static size, at most
 
   @property
   def fits(self) -> bool:
@@ -114,7 +113,7 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
     kernels = tuple(sorted(set(kernel_names(traced.jaxpr.jaxpr))))
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
-    memory, refusal, text, cost = {}, "", "", None
+    memory, refusal, text = {}, "", ""
     try:
       compiled = lowered.compile()
     except Exception as e:  # XlaRuntimeError: the compiler's verdict, reported, not raised
@@ -125,18 +124,14 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
       stats = compiled.memory_analysis()
       memory = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in MEMORY_KEYS[:-1]}
       memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
-      text, cost = compiled.as_text(), compiled.cost_analysis()
+      text = compiled.as_text()
     compile_s = time.perf_counter() - start
-  if not cost:  # GPU executables carry no cost analysis: XLA's HLO cost model of the module
-    cost = lowered.cost_analysis()
-  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   rows = hlo_bytes.collectives(text, mesh) if text else []
   collectives = {f"{axes} {dtype}": b for (axes, dtype), b in hlo_bytes.by_axis(rows).items()}
   return Compiled(target=spec.name, config=config_name, mesh=dict(mesh.shape), memory=memory,
                   hbm_bytes=spec.chip.hbm_bytes, usable_bytes=spec.chip.usable_bytes,
-                  flops=flops,
-                  bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                  model_flops=_model_flops(cfg) / len(devices), collectives=collectives,
+                  flops=flops, model_flops=_model_flops(cfg) / len(devices),
+                  collectives=collectives,
                   lower_s=lower_s, compile_s=compile_s, refusal=refusal, kernels=kernels,
                   ragged_flops=ragged_flops)
 
@@ -152,9 +147,10 @@ def _model_flops(cfg) -> float:
 
 def matmul_flops(jaxpr, times: int = 1, dot: str = "dot_general") -> float:
   """FLOPs of the `dot_general`s of a jaxpr (`dot="ragged_dot_general"`: of its ragged dots, MoE's
-  dropless experts, at their static size: every row of the buffer, an upper bound), the whole mesh's (2 x result elements x contracted
-  size): a scan's body `length` times, a shard_map's body once per shard, a cond's costliest
-  branch, a while loop's body once. Pallas kernels count nothing (`kernel_names` lists them)."""
+  dropless experts, at their static size: every row of the buffer, an upper bound), the whole
+  mesh's (2 x result elements x contracted size): a scan's body `length` times, a shard_map's
+  body once per shard, a cond's costliest branch, a while loop's body once. Pallas kernels count
+  nothing (`kernel_names` lists them)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name

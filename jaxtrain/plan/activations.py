@@ -51,8 +51,8 @@ XLA_CPU = Scales(saved={"none": 1.75, "dots": 1.0, "full": 5.0}, unrolled=1.25, 
 # yet checked against a compiled step there; remat is assumed to take effect.
 BY_COUNT = Scales(saved={"none": 1.0, "dots": 1.0, "full": 1.0}, unrolled=1.0, transient=1.0,
                   logits=2.0, grads=1.0, gathered=1.0, optimizer=2.0, optimizer_tokens=0.0)
-# XLA:TPU, fitted on gpt2_small and llama_1b steps on a 4-chip v5p slice (each remat policy, data and
-# fsdp, batches of 16-32; benchmarks/RESULTS.md, "Planner on TPU"): the counts, but the logits'
+# XLA:TPU, fitted on gpt2_small and llama_1b steps on a 4-chip v5p slice (each remat policy, data
+# and fsdp, batches of 16-32; benchmarks/RESULTS.md, "Planner on TPU"): the counts, but the logits'
 # gradient takes the logits' own buffer (one f32 [tokens, V] copy, not two). With two, the five
 # steps were over-predicted by 9-64%; with one, by -4% to +15%.
 XLA_TPU = dataclasses.replace(BY_COUNT, logits=1.0)

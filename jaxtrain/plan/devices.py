@@ -21,8 +21,9 @@ class Device:
 
 # Bandwidths: NVLink 4 (H100/H200) 900 GB/s and NVLink 3 (A100) 600 GB/s both directions; TPU v5p
 # ICI 4,800 Gbit/s per chip, v5e 1,600 and v6e 3,200 (a direction: half); 400 Gbit/s InfiniBand
-# per GPU, 200 Gbit/s DCN per v5p chip, 100 per v5e/v6e chip. Memory: v5p 95 GiB HBM, v5e 16, v6e 32.
-# CPU: virtual devices copy through host memory (an assumed 10 GB/s each on a shared 2-core host).
+# per GPU, 200 Gbit/s DCN per v5p chip, 100 per v5e/v6e chip. Memory: v5p 95 GiB HBM, v5e 16,
+# v6e 32. CPU: virtual devices copy through host memory (an assumed 10 GB/s each on a shared
+# 2-core host).
 DEVICES = {
     "h100": Device("h100", 80 * GIB, "H100", 450e9, 50e9),
     "h200": Device("h200", 143771 * 2**20, "H200", 450e9, 50e9),  # as our H200's driver reports

@@ -10,7 +10,8 @@ from jaxtrain.config import ConfigError
 
 @pytest.mark.parametrize("name, kind, shape, n", [
     ("tpu-v5p:4x4x4", "tpu-v5p", (4, 4, 4), 64), ("tpu-v5e:16x16", "tpu-v5e", (16, 16), 256),
-    ("tpu-v6e:8x8", "tpu-v6e", (8, 8), 64), ("h100:8", "h100", (8,), 8), ("h200:16", "h200", (16,), 16),
+    ("tpu-v6e:8x8", "tpu-v6e", (8, 8), 64), ("h100:8", "h100", (8,), 8),
+    ("h200:16", "h200", (16,), 16),
 ])
 def test_parse(name, kind, shape, n):
   target = targets.parse(name)
@@ -44,5 +45,5 @@ def test_cli_bad_target_is_one_line_exit_2(capsys):
 def test_cli_without_the_extra_says_which_to_install(capsys):
   assert cli.main(["compile", "--config=configs/tiny.py", "--target=tpu-v5e:2x2"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert err == ["error: compiling for TPU needs libtpu: pip install -e '.[tpu]' (make test-targets "
-                 "installs it)"], err
+  assert err == ["error: compiling for TPU needs libtpu: pip install -e '.[tpu]' "
+                 "(make test-targets installs it)"], err

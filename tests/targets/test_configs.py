@@ -117,9 +117,9 @@ def test_gpu_compile_matches_the_h200_run(target_devices):
 
 
 def test_refused_program_is_reported_not_raised(target_devices):
-  """Two layers of gpt2_small with 64 rows of 1024 tokens a chip on a v5e slice (16 GiB each): XLA:TPU
-  refuses the program (19.79 GiB of temporaries, 2026-12-03); compile_for reports the refusal in
-  the compiler's words instead of raising, and `compile` exits 1."""
+  """Two layers of gpt2_small with 64 rows of 1024 tokens a chip on a v5e slice (16 GiB each):
+  XLA:TPU refuses the program (19.79 GiB of temporaries, 2026-12-03); compile_for reports the
+  refusal in the compiler's words instead of raising, and `compile` exits 1."""
   target_devices("tpu-v5e:2x2")
   cfg = _config("gpt2_small", {"model.n_layers": 2, "train.batch_size": 256})
   report = compile_for(cfg, "tpu-v5e:2x2", "gpt2_small")

@@ -9,7 +9,6 @@ control, shows one). Compiled is not executed: these say nothing of the numbers.
 Skipped with the reason when libtpu / the CUDA plugin is missing (`make test-targets`)."""
 
 import math
-import os
 import re
 
 import jax
@@ -28,9 +27,6 @@ from jaxtrain.kernels.quantize import ops as quantize_ops
 from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
 from jaxtrain.model import attention, axes
 from jaxtrain.parallel import hlo_bytes
-
-# Deviceless compiles touch no hardware: let two processes (pytest -n 2) load libtpu at once.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 TPU, GPU = "tpu-v5e:2x2", "h100:4"
 CALLS = {"tpu": 'custom_call_target="tpu_custom_call"',
