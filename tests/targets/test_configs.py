@@ -9,7 +9,6 @@ them). Each compile takes 10 s to a few minutes on two cores."""
 
 import pytest
 
-import jaxtrain
 from jaxtrain.aot import compile_for
 from tests.targets import planner_grid
 
@@ -40,19 +39,11 @@ GPU_CASES = [
 ]
 
 
-def _config(name, overrides):
-  cfg = jaxtrain.get_config(f"configs/{name}.py")
-  for key, value in overrides.items():
-    section, field = key.split(".", 1)
-    cfg[section][field] = value
-  return cfg
-
-
 def _attention_share(cfg) -> float:
   """The share of the model's FLOPs in attention's score and value matmuls."""
   from jaxtrain import metrics
   from jaxtrain.model import ModelConfig, active_mlp_params
-  m = ModelConfig.from_config(cfg.model)
+  m = ModelConfig.fromplanner_grid.config(cfg.model)
   args = (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size)
   full = metrics.train_flops_per_token(*args, cfg.train.seq_len, active_mlp_params(m))
   without = metrics.train_flops_per_token(*args, 0, active_mlp_params(m))
@@ -80,7 +71,7 @@ def _check(cfg, report, axes):
                          ids=[(c.values if hasattr(c, "values") else c)[0] for c in CASES])
 def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
   target_devices(target)  # skips without libtpu
-  cfg = _config(name, overrides)
+  cfg = planner_grid.config(name, overrides)
   report = compile_for(cfg, target, name)
   print(report.table())
   _check(cfg, report, axes)
@@ -98,7 +89,7 @@ def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
 @pytest.mark.parametrize("name, target, overrides, axes", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_config_compiles_for_gpu(target_devices, name, target, overrides, axes):
   target_devices(target)  # skips without the CUDA plugin
-  cfg = _config(name, overrides)
+  cfg = planner_grid.config(name, overrides)
   report = compile_for(cfg, target, name)
   print(report.table())
   _check(cfg, report, axes)
@@ -109,7 +100,7 @@ def test_gpu_compile_matches_the_h200_run(target_devices):
   asking for 113 GiB (benchmarks/RESULTS.md, 2026-11-30): the deviceless compile assigns the same
   temporaries, and says it does not fit."""
   target_devices("h200:1")
-  cfg = _config("gpt2_small", {"model.attention": "xla"})
+  cfg = planner_grid.config("gpt2_small", {"model.attention": "xla"})
   report = compile_for(cfg, "h200:1", "gpt2_small")
   print(report.table())
   assert 110 * GIB < report.memory["temp"] < 116 * GIB, report.table()
@@ -121,7 +112,7 @@ def test_refused_program_is_reported_not_raised(target_devices):
   XLA:TPU refuses the program (19.79 GiB of temporaries, 2026-12-03); compile_for reports the
   refusal in the compiler's words instead of raising, and `compile` exits 1."""
   target_devices("tpu-v5e:2x2")
-  cfg = _config("gpt2_small", {"model.n_layers": 2, "train.batch_size": 256})
+  cfg = planner_grid.config("gpt2_small", {"model.n_layers": 2, "train.batch_size": 256})
   report = compile_for(cfg, "tpu-v5e:2x2", "gpt2_small")
   print(report.table())
   assert not report.fits and "RESOURCE_EXHAUSTED" in report.refusal
