@@ -43,7 +43,7 @@ def _attention_share(cfg) -> float:
   """The share of the model's FLOPs in attention's score and value matmuls."""
   from jaxtrain import metrics
   from jaxtrain.model import ModelConfig, active_mlp_params
-  m = ModelConfig.fromplanner_grid.config(cfg.model)
+  m = ModelConfig.from_config(cfg.model)
   args = (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size)
   full = metrics.train_flops_per_token(*args, cfg.train.seq_len, active_mlp_params(m))
   without = metrics.train_flops_per_token(*args, 0, active_mlp_params(m))
