@@ -9,8 +9,8 @@ of L tokens) in units of the widths: D + HK (embed, q and attention out), F (mlp
 arrays each remat policy keeps follows jaxtrain/model/transformer.py: SAVED. How many copies of each
 a backend holds (Scales): XLA_CPU is XLA:CPU's buffer assignment, fitted on 24 compiled steps of 2-
 and 4-layer models and checked leaving each one out (benchmarks/RESULTS.md, "Planner"); XLA_TPU is
-the counts with one f32 copy of the logits, fitted on five steps compiled by XLA:TPU
-(tests/targets/planner_grid.FIT) and checked on the shipped configs
+the counts with one f32 copy of the logits and two of one MoE layer's dispatch rows, fitted on
+steps compiled by XLA:TPU (tests/targets/planner_grid.FIT, MOE_FIT) and checked on the shipped configs
 (tests/targets/test_configs.py); BY_COUNT, for GPUs, is the counts themselves, an estimate not yet
 checked against a compiled step there.
 """
@@ -27,6 +27,8 @@ F32 = 4
 # dots: outputs of matmuls: q, k, v, attention out, o-proj, down-proj (3 (D + HK) / 2), gate, up (2
 # F), scores full: the layer's input (D + HK) / 2, everything else recomputed in the backward pass
 SAVED = {"none": (2.0, 3, 2), "dots": (1.5, 2, 1), "full": (0.5, 0, 0)}
+# MoE dispatch rows (Widths.dispatch) saved per layer: the gathered expert inputs, unless recomputed
+SAVED_DISPATCH = {"none": 1, "dots": 1, "full": 0}
 @dataclasses.dataclass(frozen=True)
 class Scales:
   """How many copies of each count a backend's buffer assignment holds at the step's peak."""
@@ -40,6 +42,7 @@ class Scales:
   # x params: gradient, update and the moments' new values before they land in the state
   optimizer: float
   optimizer_tokens: float  # x tokens x D x 4: what of the batch is still alive at the update
+  dispatch: float = 1.0  # x one MoE layer's dispatch rows (Widths.dispatch), in one layer's backward
 
 
 # XLA:CPU, fitted on compiled steps. Unrolled layers: remat changes nothing there (nn.remat's
@@ -55,25 +58,47 @@ BY_COUNT = Scales(saved={"none": 1.0, "dots": 1.0, "full": 1.0}, unrolled=1.0, t
 # and fsdp, batches of 16-32; benchmarks/RESULTS.md, "Planner on TPU"): the counts, but the logits'
 # gradient takes the logits' own buffer (one f32 [tokens, V] copy, not two). With two, the five
 # steps were over-predicted by 9-64%; with one, by -4% to +15%.
-XLA_TPU = dataclasses.replace(BY_COUNT, logits=1.0)
+# MoE (tests/targets/planner_grid.MOE_FIT, remat full): one layer's backward holds the dispatch rows
+# and their gradients (dispatch 2.0); 0.97-1.08 on those two, mixtral_8x7b 0.91 out of sample. Under
+# remat none the one MoE step compiled needed 1.4x the prediction: not modelled (`plan` says so).
+XLA_TPU = dataclasses.replace(BY_COUNT, logits=1.0, dispatch=2.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Widths:
   """Per-device widths of one layer's activations for one token (tensor-parallel splits applied)."""
   d: int  # embed
-  f: int  # mlp hidden (dense) or the routed experts' per-token share (top_k x expert hidden, MoE)
+  f: int  # mlp hidden (dense), or every expert row a token's dispatch holds x expert hidden (MoE)
   hk: int  # query heads x head dim
   hs: int  # attention scores per token (heads x keys) for the materialized (xla) implementation
+  dispatch: int = 0  # MoE: [*, D] rows per token the dispatch holds (see expert_rows) x D
 
 
-def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str) -> Widths:
+def expert_rows(m: ModelConfig, expert_shards: int) -> tuple[float, int]:
+  """(expert rows per local token, token copies per local token) of one MoE layer's dispatch
+  (jaxtrain/model/moe.py). Dropless over X expert shards sends every token to every shard (X
+  copies) and sizes the grouped matmul for the worst case, X x min(k, E / X) rows a token; capacity
+  holds capacity_factor x k slots a token, whatever the shards, and sends those slots themselves."""
+  if m.dispatch == "capacity":
+    return m.capacity_factor * m.top_k, 0
+  x = expert_shards
+  return x * min(m.top_k, m.n_experts // x), x
+
+
+def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str,
+           expert_shards: int = 1) -> Widths:
   """`attention`: the implementation that will run (xla materializes H x S scores per token; the
-  blockwise and fused kernels hold H x block)."""
-  f = m.top_k * m.expert_d_ff + m.n_shared_experts * m.expert_d_ff if m.n_experts else m.d_ff
+  blockwise and fused kernels hold H x block). MoE layers: the expert rows of `expert_rows` (their
+  hidden width the largest a layer holds: the first dense layers' d_ff if wider)."""
   keys = seq_len if attention == "xla" else min(m.attention_block, seq_len)
+  f, dispatch = m.d_ff, 0
+  if m.n_experts:
+    rows, copies = expert_rows(m, expert_shards)
+    f = int((rows + m.n_shared_experts) * m.expert_d_ff)
+    f = max(f, m.d_ff) if m.moe_first_dense else f
+    dispatch = int((copies + rows) * m.d_model)
   return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor,
-                m.n_heads * keys // tensor)
+                m.n_heads * keys // tensor, dispatch)
 
 
 def scanned(m: ModelConfig) -> bool:
@@ -89,7 +114,9 @@ def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int, k: Sc
   s_d, s_f, s_s = SAVED[remat]
   layers = m.n_layers * (k.saved[remat] if scanned(m) or k is not XLA_CPU else k.unrolled)
   t = 3 * k.transient
-  activations = tokens * act_bytes * ((layers * s_d + t) * (w.d + w.hk) + (layers * s_f + t) * w.f)
+  dispatch = layers * SAVED_DISPATCH[remat] + k.dispatch
+  activations = tokens * act_bytes * ((layers * s_d + t) * (w.d + w.hk) + (layers * s_f + t) * w.f
+                                      + dispatch * w.dispatch)
   scores = tokens * F32 * w.hs * (layers * s_s + t)
   return {"activations": int(activations), "attention_temps": int(scores)}
 

@@ -47,6 +47,7 @@ class Plan:
   tokens_per_step: int
   suggestions: list = dataclasses.field(default_factory=list)
   moe: bool = False
+  remat: str = "none"
 
   def table(self) -> str:
     return format_table(self)
@@ -68,7 +69,7 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
   tokens = act.microbatch_tokens(t.batch_size, t.seq_len, data_ways, shape["context"],
                                  t.microbatches)
-  w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind))
+  w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind), shape["expert"])
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
   k = {"cpu": act.XLA_CPU, "tpu": act.XLA_TPU}.get(BACKENDS[kind], act.BY_COUNT)
@@ -154,7 +155,8 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
   plan = Plan(device_kind, n_devices, shape, cfg.train.batch_size, cfg.train.microbatches,
               n_params, memory, float(limit), memory["total"] <= limit, flops, peak, source, eff,
               compute, fast + slow, comm_time, compute + comm_time,
-              cfg.train.batch_size * cfg.train.seq_len, moe=bool(cfg.model.n_experts))
+              cfg.train.batch_size * cfg.train.seq_len, moe=bool(cfg.model.n_experts),
+              remat=cfg.model.remat)
   if suggest and not plan.fits:
     plan.suggestions = suggestions(cfg, n_devices, device_kind, limit)
   return plan
@@ -228,9 +230,9 @@ def format_table(p: Plan) -> str:
            ("step time",
             f"{p.step_time_s:.3g} s ({p.tokens_per_step / p.step_time_s:,.0f} tokens/s)")]
   rows += [("would fit with", s) for s in p.suggestions]
-  if p.moe and p.device_kind != "cpu":
-    rows += [("note", "MoE dispatch buffers are not modelled on accelerators: mixtral_8x7b on 64 "
-                      "v5p chips compiled to 1.57x this prediction (plan --compiled)")]
+  if p.moe and p.remat != "full" and p.device_kind != "cpu":
+    rows += [("note", f"MoE under remat {p.remat} is not modelled on accelerators (a step with "
+                      "remat none compiled to 1.4x its prediction): check with plan --compiled")]
   if p.mesh.get("context", 1) > 1 and p.device_kind != "cpu":
     rows += [("note", "attention's saved blocks under context parallelism are not modelled on "
                       "accelerators: check with plan --compiled")]

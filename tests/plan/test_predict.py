@@ -55,6 +55,23 @@ def test_memory_moves_the_right_way():
       base["loss_temps"]
 
 
+def test_moe_dispatch_rows_follow_the_expert_shards():
+  """Dropless over X expert shards holds the worst case, X x min(k, E / X) expert rows a token (every
+  token of every shard to one shard's experts); capacity holds capacity_factor x k slots whatever X."""
+  from jaxtrain.config import ModelConfig
+  from jaxtrain.plan import activations
+  m = ModelConfig(n_experts=8, top_k=2, dispatch="dropless")
+  assert activations.expert_rows(m, 1) == (2, 1)
+  assert activations.expert_rows(m, 8) == (8, 8)  # one expert a shard: min(k, 1) row per copy
+  assert activations.expert_rows(m, 2) == (4, 2)
+  capacity = ModelConfig(n_experts=8, top_k=2, dispatch="capacity", capacity_factor=1.5)
+  assert activations.expert_rows(capacity, 8) == (3.0, 0)
+  moe = dict(n_experts=8, top_k=2, d_ff_expert=64, dispatch="dropless")
+  one = memory(tiny_config(model=moe, mesh={"data": 1, "fsdp": -1, "expert": 1, "rules": "fsdp_ep"}))
+  eight = memory(tiny_config(model=moe, mesh={"data": 1, "fsdp": -1, "expert": 8, "rules": "fsdp_ep"}))
+  assert eight["activations"] > 2 * one["activations"]
+
+
 def test_flops_count_tokens_remat_and_time():
   cfg = tiny_config(train={"batch_size": 64})
   m, t = cfg.model, cfg.train

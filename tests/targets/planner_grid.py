@@ -3,7 +3,7 @@ the TPU compiler assigns to the same train step (`jaxtrain.compile_for`), for th
 scales of jaxtrain/plan/activations.py were fitted on (FIT) and the shipped configs they are checked
 on (`check`: tests/targets/test_configs.CASES, where the same check is a test).
 
-  JAX_PLATFORMS=cpu python -m tests.targets.planner_grid [fit|check]   (needs the tpu extra)
+  JAX_PLATFORMS=cpu python -m tests.targets.planner_grid [fit|moe|check]   (needs the tpu extra)
 
 prints one JSON line per case: predicted parts, compiled parts, predicted / compiled."""
 
@@ -27,6 +27,23 @@ FIT = [
     ("llama_1b b32 full fsdp", "llama_1b", "tpu-v5p:2x2x1",
      {"train.batch_size": 32, "model.remat": "full"}),
 ]
+# MoE: mixtral_8x7b's layout at 1/4 width and 4 layers (E 8, top-2), and a fine-grained one (E 32,
+# top-8, a shared expert, the first layer dense), on 4- and 8-chip slices with expert 2-8: what the
+# dispatch holds (activations.expert_rows, Scales.dispatch). Checked on mixtral_8x7b itself.
+SMALL_MOE = {"model.n_layers": 4, "model.d_model": 1024, "model.n_heads": 8, "model.n_kv_heads": 2,
+             "model.d_ff": 3584, "train.batch_size": 16, "train.seq_len": 2048}
+FINE_MOE = {**SMALL_MOE, "model.n_experts": 32, "model.top_k": 8, "model.d_ff_expert": 512,
+            "model.n_shared_experts": 1, "model.router": "sigmoid", "model.moe_first_dense": 1}
+MOE_FIT = [
+    ("moe e8 full expert4", "mixtral_8x7b", "tpu-v5p:2x2x1", {**SMALL_MOE, "mesh.expert": 4}),
+    ("moe e8 none expert2 fsdp2", "mixtral_8x7b", "tpu-v5p:2x2x1",
+     {**SMALL_MOE, "mesh.expert": 2, "model.remat": "none", "train.batch_size": 8}),
+    ("moe e32 full expert8", "mixtral_8x7b", "tpu-v5p:2x2x2", {**FINE_MOE, "mesh.expert": 8}),
+    ("moe e32 capacity expert4 fsdp2", "mixtral_8x7b", "tpu-v5p:2x2x2",
+     {**FINE_MOE, "mesh.expert": 4, "model.dispatch": "capacity"}),
+]
+
+
 def config(name: str, overrides: dict):
   cfg = jaxtrain.get_config(f"configs/{name}.py")
   for key, value in overrides.items():
@@ -51,6 +68,8 @@ def row(label: str, name: str, target: str, overrides: dict, report=None) -> dic
 if __name__ == "__main__":
   if sys.argv[1:] == ["fit"]:
     cases = FIT
+  elif sys.argv[1:] == ["moe"]:
+    cases = MOE_FIT
   else:
     from tests.targets.test_configs import CASES
     cases = [(c[0], c[0], c[1], c[2]) for c in (getattr(c, "values", c) for c in CASES)]

@@ -21,9 +21,10 @@ CASES = [
     ("llama_1b", "tpu-v5p:2x2x4", {}, {"fsdp"}),  # fsdp 16 (on 4 chips: 172 GiB of temporaries)
     ("llama_8b", "tpu-v5p:4x4x4", {}, {"fsdp"}),  # fsdp 64, batch 256 x 8192
     ("mixtral_8x7b", "tpu-v5p:4x4x4", {}, {"fsdp", "expert"}),  # fsdp 8 x expert 8
-    pytest.param("deepseek_v3_like", "tpu-v5p:8x8x4", {}, {"expert"}, marks=pytest.mark.xfail(
-        strict=True, reason="expert 256 on 256 v5p chips: XLA:TPU refuses 1.46 TB of temporaries "
-                            "a chip (2026-12-03); the layout of this config is open work")),
+    # fsdp 64 x expert 8, 2 microbatches: on 256 chips with expert 256 and fsdp 1 (its first layout)
+    # XLA:TPU refused 1.46 TB of temporaries a chip: every dense weight replicated, and dropless
+    # dispatch sizing each shard's expert rows for every token of all 256 shards
+    ("deepseek_v3_like", "tpu-v5p:8x8x8", {}, {"fsdp", "expert"}),
     ("long_16k", "tpu-v5p:2x2x2", {}, {"context"}),  # context 8
     # context 4, never built beyond eval_shape before; on a v5e 2x2 (16 GiB) XLA:TPU needs 24.67 GiB
     ("long_32k", "tpu-v5p:2x2x1", {}, {"context"}),
@@ -78,10 +79,9 @@ def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
   row = planner_grid.row(name, name, target, overrides, report)
   print(f"planner, out of sample: predicted / compiled = {row['ratio']:.3f} "
         f"({row['predicted']['total'] / GIB:.2f} / {report.memory['total'] / GIB:.2f} GiB)")
-  # The planner models neither MoE dispatch buffers (mixtral_8x7b: 0.637) nor blockwise attention's
-  # saved blocks under context parallelism (long_16k: 0.099 with xla attention) yet: printed, and
-  # `plan` says so in its table; asserted for the dense models in order.
-  if cfg.model.n_experts or cfg.mesh.context > 1:
+  # MoE under remat none is not modelled (planner_grid.MOE_FIT: 0.70), nor is context parallelism:
+  # printed, and `plan` says so in its table
+  if (cfg.model.n_experts and cfg.model.remat != "full") or cfg.mesh.context > 1:
     return
   assert abs(row["ratio"] - 1) <= PLANNER_TOLERANCE, row
 
