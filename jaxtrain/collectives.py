@@ -1,6 +1,7 @@
 """Collectives with explicit mesh-axis names: the one module that opens `jax.shard_map` and calls
-all-to-all, psum and friends. The model (MoE dispatch) and the optimizer (explicit gradient
-reduction) use these helpers; they never open shard_map themselves.
+all-to-all, psum, ppermute and friends. The model (MoE dispatch, the pipeline's sends between
+stages) and the optimizer (explicit gradient reduction) use these helpers; they never open shard_map
+themselves.
 
 Everything here works on the *abstract* mesh of the current context (`jax.set_mesh`), so it runs
 the same under jit, inside another shard_map (axes already manual are left alone) and on one device.
@@ -104,3 +105,10 @@ def all_gather_along(x, axes: tuple[str, ...], dim: int):
   varying, so its cotangent is reduce-scattered back to the shards (an invariant one would be
   all-reduced, then sliced)."""
   return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+
+
+def ppermute(x, axis: str, shift: int = 1):
+  """Around the ring of manual mesh axis `axis`: shard i's `x` goes to shard (i + shift) mod n, so
+  each shard gets shard (i - shift)'s."""
+  n = axis_size(axis)
+  return jax.lax.ppermute(x, axis, [(i, (i + shift) % n) for i in range(n)])

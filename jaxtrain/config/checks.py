@@ -18,7 +18,8 @@ from jaxtrain.config.train import validate_train
 RESUMABLE_CHANGES = (
     "mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
     "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
-    "train.eval_batches", "train.microbatches", "data.prefetch", "data.prepare_workers",
+    "train.eval_batches", "train.microbatches", "train.pipeline_microbatches",
+    "model.pipeline_repeats", "data.prefetch", "data.prepare_workers",
     "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price", "train.device_memory_gib")
 
 

@@ -68,6 +68,10 @@ def validate_comm(cfg, shape) -> None:
     raise ConfigError(f"the context axis ({cp}) with an explicit reduction over {axis} "
                       "(compression, DiLoCo, optim.reduce_axis): not supported yet "
                       "(set --config.mesh.context=1)")
+  if axis and shape["stage"] > 1:  # the pipeline's shard_map does not nest in the step's yet
+    raise ConfigError(f"mesh.stage={shape['stage']} with an explicit reduction over {axis} "
+                      "(compression, DiLoCo, optim.reduce_axis): not supported yet "
+                      "(set --config.mesh.stage=1)")
   if m.n_experts and axis and math.prod(shape[a] for a in DATA_AXES if a != axis) > 1:
     raise ConfigError(
         f"an explicit reduction over {axis} (compression, DiLoCo, optim.reduce_axis) with experts "

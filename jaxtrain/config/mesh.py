@@ -4,6 +4,7 @@ here."""
 import ml_collections
 
 from jaxtrain.config.errors import ConfigError, check_choice
+from jaxtrain.config.train import AUTO
 
 # Logical axis -> mesh axes, one table per preset (`mesh.rules`); only jaxtrain/parallel applies
 # them. Every data-like axis splits the batch; `fsdp` also splits parameters, `tensor` never the
@@ -22,21 +23,27 @@ _BATCH = _SEQ + [("batch", DATA_AXES + ("context",)), ("batch", DATA_AXES), ("re
 _FSDP = [("embed", "fsdp")]
 _EP = [("expert", "expert")]  # experts over the expert axis; tokens travel to them by all-to-all
 _TP = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
+# The stacked layers' leading axis over the pipeline stages (jaxtrain/model/pipeline.py), in every
+# preset: a size-1 stage axis changes nothing.
+_STAGE = [("layers", "stage")]
 RULES = {
-    "dp": _BATCH,
-    "fsdp": _BATCH + _FSDP,
-    "fsdp_tp": _BATCH + _FSDP + _TP,
-    "fsdp_ep": _BATCH + _EP + _FSDP,
-    "fsdp_tp_ep": _BATCH + _EP + _FSDP + _TP,
+    "dp": _BATCH + _STAGE,
+    "fsdp": _BATCH + _FSDP + _STAGE,
+    "fsdp_tp": _BATCH + _FSDP + _TP + _STAGE,
+    "fsdp_ep": _BATCH + _EP + _FSDP + _STAGE,
+    "fsdp_tp_ep": _BATCH + _EP + _FSDP + _TP + _STAGE,
 }
 PRESETS = tuple(RULES)
-# context sits next to tensor: it gathers keys and values every layer, so it wants the fast links
-MESH_AXES = ("replica", "data", "fsdp", "expert", "context", "tensor")
+# stage sits next to replica: it sends one microbatch's activations per iteration, the least
+# traffic of any axis, so it may take the slow links; context sits next to tensor: it gathers keys
+# and values every layer, so it wants the fast links
+MESH_AXES = ("replica", "stage", "data", "fsdp", "expert", "context", "tensor")
 
 
 def mesh_defaults() -> ml_collections.ConfigDict:
   x = ml_collections.ConfigDict()
   x.replica = 1
+  x.stage = 1  # pipeline stages: the layers split over this many (jaxtrain/model/pipeline.py)
   x.data = -1
   x.fsdp = 1
   x.expert = 1
@@ -73,7 +80,39 @@ def validate_mesh(cfg, device_count: int) -> dict[str, int]:
   check_choice("mesh.rules", cfg.mesh.rules, PRESETS)
   shape = mesh_shape(cfg.mesh, device_count)
   _validate_context(cfg, shape)
+  _validate_stage(cfg, shape)
   return shape
+
+
+def _validate_stage(cfg, shape):
+  """Pipeline parallelism (jaxtrain/model/pipeline.py): the layers cut into stages x repeats equal
+  parts, each batch into microbatches; what it does not run yet is refused."""
+  s, m, t = shape["stage"], cfg.model, cfg.train
+  r = m.pipeline_repeats
+  if r < 1 or t.pipeline_microbatches < 0:
+    raise ConfigError(f"model.pipeline_repeats must be >= 1 and train.pipeline_microbatches >= 0 "
+                      f"(0 = one per stage), got {r} and {t.pipeline_microbatches}")
+  if s == 1:
+    return
+  refused = [what for what, on in ((f"model.n_experts={m.n_experts}", m.n_experts),
+                                   (f"mesh.context={shape['context']}", shape["context"] > 1),
+                                   (f"train.task={t.task}", t.task in ("grpo", "ppo"))) if on]
+  if refused:  # experts: their shard_map inside the stages'; rollouts: decoding through stages
+    raise ConfigError(f"mesh.stage={s} with {refused[0]}: the pipeline does not run it yet "
+                      "(set --config.mesh.stage=1)")
+  if m.n_layers % (s * r):
+    raise ConfigError(f"model.n_layers={m.n_layers} does not divide into mesh.stage={s} x "
+                      f"model.pipeline_repeats={r} equal parts")
+  mb = t.pipeline_microbatches or s  # 0: one per stage
+  if r > 1 and mb < s:
+    raise ConfigError(f"circular repeats (model.pipeline_repeats={r}) need at least one microbatch "
+                      f"per stage: train.pipeline_microbatches={mb} < mesh.stage={s}")
+  data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
+  auto = AUTO in (t.batch_size, t.microbatches)
+  if not auto and t.batch_size % (data_ways * t.microbatches * mb):
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) x "
+        f"{mb} pipeline microbatches over the {data_ways} data-parallel devices")
 
 
 def _validate_context(cfg, shape):

@@ -93,6 +93,10 @@ class ModelConfig:
   # gradients, per-tensor scales from each tensor's own amax. Router, embedding, head, attention
   # core stay.
   fp8: str = "off"
+  # Pipeline (mesh.stage > 1, jaxtrain/model/pipeline.py): each stage runs its layers this many
+  # times per microbatch, holding layers s, s + S, ... in units of n_layers / (S x repeats); 1 =
+  # GPipe. More repeats shrink the bubble (S - 1) / (M x repeats + S - 1).
+  pipeline_repeats: int = 1
 
   @property
   def expert_d_ff(self) -> int:

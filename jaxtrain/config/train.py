@@ -24,6 +24,9 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.seq_len = 128
   t.seed = 0
   t.microbatches = 1
+  # mesh.stage > 1: each (gradient-accumulation) microbatch is cut again into this many, which flow
+  # through the pipeline's stages one after another (jaxtrain/model/pipeline.py); 0 = one per stage
+  t.pipeline_microbatches = 0
   # batch_size/microbatches=auto: the per-device limit; 0 = the device's own (CPU: set it)
   t.device_memory_gib = 0.0
   t.log_every = 20

@@ -8,10 +8,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import collectives
 from jaxtrain.collectives import constrain, logical_spec
 from jaxtrain.config import ModelConfig
 from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
-from jaxtrain.model import axes
+from jaxtrain.model import axes, pipeline
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.layers import RMSNorm, param
 from jaxtrain.model.mlp import Mlp
@@ -95,8 +96,9 @@ def layer_plan(cfg: ModelConfig) -> list[tuple[str, str, int]]:
 
 
 def stacked_layers(cfg: ModelConfig, decode: bool, name: str = "layers", kind: str = "dense",
-                   length: int | None = None) -> nn.Module:
-  """Blocks as one nn.scan, rematerialized by policy; the name fixes the parameter path."""
+                   length: int | None = None, **module_args) -> nn.Module:
+  """Blocks as one nn.scan, rematerialized by policy; the name fixes the parameter path.
+  `module_args`: the module's own (parent=None for one applied on its own)."""
   block = Group if kind == "group" else Block
   if cfg.remat != "none":
     block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -111,8 +113,8 @@ def stacked_layers(cfg: ModelConfig, decode: bool, name: str = "layers", kind: s
       metadata_params={nn.PARTITION_NAME: axes.LAYERS},
   )
   if kind == "group":
-    return scanned(cfg, decode, name=name)
-  return scanned(cfg, decode, kind == "moe", name=name)
+    return scanned(cfg, decode, name=name, **module_args)
+  return scanned(cfg, decode, kind == "moe", name=name, **module_args)
 
 
 class Transformer(nn.Module):
@@ -122,9 +124,14 @@ class Transformer(nn.Module):
   un-permuted row, which orders attention causally (context parallelism permutes rows); None:
   arange. `return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a
   loss that fuses the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed`
-  or `unembed`)."""
+  or `unembed`).
+
+  With the `layers` axis split over a mesh axis (mesh.stage), training passes run the layers as a
+  pipeline of `pipeline_microbatches` microbatches (0 = one per stage; jaxtrain/model/pipeline.py);
+  init and decoding run them one after another, with the same parameters."""
   cfg: ModelConfig
   decode: bool = False
+  pipeline_microbatches: int = 0
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None,
@@ -137,9 +144,15 @@ class Transformer(nn.Module):
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.compute_dtype)
     x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
     valid_BL = jnp.ones(tokens_BL.shape, bool) if segment_ids_BL is None else segment_ids_BL > 0
+    rows_BL = {"positions": positions_BL, "segment_ids": segment_ids_BL, "indices": indices_BL,
+               "valid": valid_BL}
+    pipelined = not self.decode and not self.is_initializing() and pipeline.stage_axis()
     for name, kind, length in layer_plan(c):  # the cache makes its own indices when decoding
-      x_BLD, stats = stacked_layers(c, self.decode, name, kind, length)(
-          x_BLD, positions_BL, segment_ids_BL, indices_BL, valid_BL)
+      if pipelined:  # a dense stack (config refuses experts with stages)
+        x_BLD, stats = self._pipeline(name, length, x_BLD, rows_BL), None
+      else:
+        x_BLD, stats = stacked_layers(c, self.decode, name, kind, length)(
+            x_BLD, positions_BL, segment_ids_BL, indices_BL, valid_BL)
       if stats is not None:  # per-layer MoE statistics, [layers, ...], read by the train step
         self.sow("moe_stats", f"{name}_stats", stats)
     x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
@@ -157,6 +170,23 @@ class Transformer(nn.Module):
       logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, unembed_DV.astype(c.compute_dtype),
                               preferred_element_type=jnp.float32)
     return constrain(logits_BLV, (axes.BATCH, axes.SEQ, axes.VOCAB))
+
+  def _pipeline(self, name: str, length: int, x_BLD, rows_BL: dict):
+    """The stack `name` of `length` layers as a pipeline over the stage axis."""
+    c = self.cfg
+    stages = collectives.axis_size(pipeline.stage_axis())
+    layers = stacked_layers(c, False, name, "dense", length // (stages * c.pipeline_repeats),
+                            parent=None)
+
+    def stage_fn(params, x_bLD, rows_bL):
+      return layers.apply({"params": params}, x_bLD, rows_bL["positions"],
+                          rows_bL.get("segment_ids"), rows_bL.get("indices"), rows_bL["valid"])[0]
+
+    return pipeline.pipeline(stage_fn, nn.unbox(self.variables["params"][name]), x_BLD,
+                             {k: v for k, v in rows_BL.items() if v is not None},
+                             repeats=c.pipeline_repeats,
+                             microbatches=self.pipeline_microbatches or stages,
+                             remat=c.remat != "none")
 
 
 def _mlp_params(c: ModelConfig, active: bool) -> int:

@@ -57,8 +57,17 @@ def test_rules_map_logical_names():
 def test_mesh_fills_minus_one():
   cfg = tiny_config(mesh=dict(data=-1, fsdp=2, tensor=2))
   mesh = parallel.make_mesh(cfg.mesh)
-  assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+  assert dict(mesh.shape) == {"replica": 1, "stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1,
+                              "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+@pytest.mark.parametrize("rules", parallel.RULES)
+def test_stacked_layers_go_to_stage(rules):
+  """The stacked layers' leading axis lies on the pipeline's stage axis in every preset (a no-op at
+  mesh.stage=1)."""
+  with nn.logical_axis_rules(parallel.RULES[rules]):
+    assert nn.logical_to_mesh_axes(("layers", "embed", "mlp"))[0] == "stage"
 
 
 @pytest.mark.parametrize("rules", parallel.RULES)

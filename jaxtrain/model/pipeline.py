@@ -1,0 +1,109 @@
+"""Pipeline parallelism of a layer stack over the mesh axis of the logical `layers` axis (`stage`):
+GPipe's schedule (Huang et al., 2019) with circular repeats (Narayanan et al., 2021, the
+interleaved schedule; MaxText's layers/pipeline.py).
+
+With S stages, R repeats and Z layers, the stack's parameters [Z, ...] are read as
+[R, S, Z/(R S), ...]: stage s holds layers r Z/R + s Z/(R S) + j and runs them for repeat r. The
+batch is cut into M microbatches; item i = r M + m is microbatch m's pass through repeat r. At
+iteration t stage s runs item t - s, then sends its output to stage s + 1 (the last stage's goes
+back to stage 0): T = M R + S - 1 iterations, of which each stage idles S - 1 (the bubble,
+(S - 1) / T). Stage 0 keeps, in a buffer of M microbatches, the inputs and what comes back for the
+next repeat (M >= S when R > 1, so it is back in time); the last stage writes the final repeat's
+outputs into its own.
+
+The stored parameters keep the unpipelined tree (a checkpoint moves between the two); with R = 1 the
+split is each stage's own contiguous shard, with R > 1 the step regroups the layers (GSPMD moves the
+parameters between stages once a step, and their gradients back: on CPU it gathers the whole stack,
+"involuntary full rematerialization"). Each iteration is rematerialized: with `model.remat` on, its
+input is all it keeps for the backward pass (the layers' own policy applies when it is recomputed);
+off, it keeps everything but its slice of the weights.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain import collectives
+from jaxtrain.model import axes
+
+WEIGHTS = "pipeline_weights"  # a stage's slice of the weights for one repeat: never saved
+
+
+def stage_axis() -> str:
+  """The mesh axis the stacked layers lie on, "" when it is not split (no pipeline)."""
+  names = collectives.mesh_axes(axes.LAYERS)
+  if len(names) > 1:
+    raise ValueError(f"the layers lie on mesh axes {names}: a pipeline runs over one")
+  return names[0] if names else ""
+
+
+def split_microbatches(x, m: int):
+  """[B, ...] -> [M, B/M, ...], microbatch k taking rows k, k + M, ...: each keeps the batch's
+  sharding."""
+  if x.shape[0] % m:
+    raise ValueError(f"a batch of {x.shape[0]} rows does not divide into {m} pipeline microbatches")
+  return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def join_microbatches(x):
+  """The inverse of split_microbatches: [M, B/M, ...] -> [B, ...]."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def iterations(stages: int, repeats: int, microbatches: int) -> int:
+  """Iterations of the schedule: M R + S - 1."""
+  return microbatches * repeats + stages - 1
+
+
+def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches: int,
+             remat: bool):
+  """The layer stack `params` (leaves [Z, ...]) applied to `x_BLD`, pipelined over the stage axis.
+
+  `stage_fn(params, x_bLD, rows) -> y_bLD` runs Z/(R S) consecutive layers (leaves [Z/(R S), ...]);
+  `rows` are per-row [B, L] inputs (positions, segment ids), cut into microbatches alongside x."""
+  axis = stage_axis()
+  s_count, m_count = collectives.axis_size(axis), microbatches
+
+  def regroup(p):  # [Z, ...] -> [R, S, Z/(R S), ...]: layer r Z/R + s Z/(R S) + j
+    return p.reshape(repeats, s_count, p.shape[0] // (repeats * s_count), *p.shape[1:])
+
+  params = jax.tree.map(regroup, params)
+  x_MbLD = split_microbatches(x_BLD, m_count)
+  rows = {k: split_microbatches(v, m_count) for k, v in rows.items()}
+
+  def stage(params, x_bLD, rows, i):  # item i: its repeat's layers on its microbatch
+    r = jnp.clip(i // m_count, 0, repeats - 1)
+    weights = jax.tree.map(lambda p: checkpoint_name(p[r], WEIGHTS), params)
+    return stage_fn(weights, x_bLD, {k: v[i % m_count] for k, v in rows.items()})
+
+  policy = (jax.checkpoint_policies.nothing_saveable if remat else
+            jax.checkpoint_policies.save_anything_except_these_names(WEIGHTS))
+  stage = jax.checkpoint(stage, policy=policy, prevent_cse=False)
+
+  def local(params, x_MbLD, rows):
+    s = collectives.axis_index(axis)
+    params = jax.tree.map(lambda p: p[:, 0], params)  # this stage's [R, Z/(R S), ...]
+
+    def iteration(carry, t):
+      cur_bLD, io_MbLD = carry
+      i = t - s  # the item this stage runs
+      back = t - s_count  # the item the last stage sent to stage 0 at the end of iteration t - 1
+      keep = (s == 0) & (back >= 0) & (back // m_count < repeats - 1)
+      io_MbLD = io_MbLD.at[back % m_count].set(
+          jnp.where(keep, cur_bLD, io_MbLD[back % m_count]))
+      cur_bLD = jnp.where(s == 0, io_MbLD[t % m_count], cur_bLD)
+      y_bLD = stage(params, cur_bLD, rows, i)
+      done = (s == s_count - 1) & (i >= 0) & (i // m_count == repeats - 1)
+      io_MbLD = io_MbLD.at[i % m_count].set(jnp.where(done, y_bLD, io_MbLD[i % m_count]))
+      return (collectives.ppermute(y_bLD, axis), io_MbLD), None
+
+    carry = collectives.vary((jnp.zeros_like(x_MbLD[0]), x_MbLD), (axis,))
+    steps = jnp.arange(iterations(s_count, repeats, m_count))
+    _, io_MbLD = jax.lax.scan(iteration, carry, steps)[0]
+    return collectives.psum(jnp.where(s == s_count - 1, io_MbLD, 0), (axis,))
+
+  specs = jax.tree.map(lambda _: P(None, axis), params)
+  out_MbLD = collectives.shard_map(local, (axis,), in_specs=(specs, P(), P()),
+                                   out_specs=P())(params, x_MbLD, rows)
+  return join_microbatches(out_MbLD)
