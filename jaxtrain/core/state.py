@@ -68,6 +68,6 @@ def create_state(task, tx, seed: int, mesh, rules_name: str) -> tuple[TrainState
   shardings = state_shardings(task, tx, mesh, rules_name)
   # No mesh context: init traces a one-row forward pass (then dropped), which must not take the
   # expert-parallel path; the out_shardings alone place every leaf.
-  with nn.logical_axis_rules(parallel.RULES[rules_name]):
+  with nn.logical_axis_rules(parallel.mesh.rules(mesh, rules_name)):
     state = jax.jit(init_fn(task, tx), out_shardings=shardings)(seed)
   return state, shardings

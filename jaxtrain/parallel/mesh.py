@@ -27,9 +27,19 @@ def make_mesh(x, devices=None) -> Mesh:
   return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def rules(mesh: Mesh, rules_name: str):
+  """The preset's rules on `mesh`: without pipeline stages (a size-1 `stage` axis) the stacked layers'
+  rule is left out, so no spec names `stage` and every sharding is the one it was before stages
+  existed."""
+  table = RULES[rules_name]
+  if dict(mesh.shape).get("stage", 1) > 1:
+    return table
+  return [rule for rule in table if rule[1] != "stage"]
+
+
 def logical_shardings(logical_specs, mesh: Mesh, rules_name: str):
   """Pytree of logical PartitionSpecs (from nn.get_partition_spec) -> NamedShardings."""
-  return nn.logical_to_mesh_sharding(logical_specs, mesh, RULES[rules_name])
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules(mesh, rules_name))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -40,5 +50,5 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules_name: str):
   """The mesh and the logical-axis rules in context, as every step is traced and compiled."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES[rules_name]):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules(mesh, rules_name)):
     yield

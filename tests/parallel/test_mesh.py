@@ -64,10 +64,14 @@ def test_mesh_fills_minus_one():
 
 @pytest.mark.parametrize("rules", parallel.RULES)
 def test_stacked_layers_go_to_stage(rules):
-  """The stacked layers' leading axis lies on the pipeline's stage axis in every preset (a no-op at
-  mesh.stage=1)."""
-  with nn.logical_axis_rules(parallel.RULES[rules]):
+  """The stacked layers' leading axis lies on the pipeline's stage axis in every preset when the mesh
+  has stages; without them no spec names `stage`."""
+  staged = parallel.make_mesh(tiny_config(mesh=dict(stage=2, data=-1)).mesh)
+  plain = parallel.make_mesh(tiny_config(mesh=dict(data=-1)).mesh)
+  with nn.logical_axis_rules(parallel.mesh.rules(staged, rules)):
     assert nn.logical_to_mesh_axes(("layers", "embed", "mlp"))[0] == "stage"
+  with nn.logical_axis_rules(parallel.mesh.rules(plain, rules)):
+    assert nn.logical_to_mesh_axes(("layers", "embed", "mlp"))[0] is None
 
 
 @pytest.mark.parametrize("rules", parallel.RULES)
