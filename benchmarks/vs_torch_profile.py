@@ -315,20 +315,11 @@ def category_table(results: dict, matmul_flops: float) -> str:
   names = list(results)
   head = "| category | " + " | ".join(f"{n} ms/step | {n} share" for n in names) + " |"
   lines = [head, "|---|" + "---|---|" * len(names)]
-  for c in CATEGORIES:
-    cells = []
-    for n in names:
-      r = results[n]
-      total = sum(r["categories"].values())
-      cells.append(f"{_ms(r['categories'][c])} | {r['categories'][c] / total:.0%}")
-    lines.append(f"| {c} | " + " | ".join(cells) + " |")
-  for p in PHASES:
-    cells = []
-    for n in names:
-      r = results[n]
-      total = sum(r["phases"].values())
-      cells.append(f"{_ms(r['phases'][p])} | {r['phases'][p] / total:.0%}")
-    lines.append(f"| phase: {p} | " + " | ".join(cells) + " |")
+  for key, label, rows in (("categories", "", CATEGORIES), ("phases", "phase: ", PHASES)):
+    for row in rows:
+      cells = [f"{_ms(results[n][key][row])} | "
+               f"{results[n][key][row] / sum(results[n][key].values()):.0%}" for n in names]
+      lines.append(f"| {label}{row} | " + " | ".join(cells) + " |")
   sums = {n: sum(results[n]["categories"].values()) for n in names}
   cells = [f"{_ms(sums[n])} | {sums[n] / results[n]['wall']:.0%} of wall" for n in names]
   lines.append("| sum of ops | " + " | ".join(cells) + " |")

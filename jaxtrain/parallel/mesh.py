@@ -28,9 +28,9 @@ def make_mesh(x, devices=None) -> Mesh:
 
 
 def rules(mesh: Mesh, rules_name: str):
-  """The preset's rules on `mesh`: without pipeline stages (a size-1 `stage` axis) the stacked layers'
-  rule is left out, so no spec names `stage` and every sharding is the one it was before stages
-  existed."""
+  """The preset's rules on `mesh`: without pipeline stages (a size-1 `stage` axis) the stacked
+  layers' rule is left out, so no spec names `stage` and every sharding is the one it was before
+  stages existed."""
   table = RULES[rules_name]
   if dict(mesh.shape).get("stage", 1) > 1:
     return table

@@ -10,9 +10,9 @@ arrays each remat policy keeps follows jaxtrain/model/transformer.py: SAVED. How
 a backend holds (Scales): XLA_CPU is XLA:CPU's buffer assignment, fitted on 24 compiled steps of 2-
 and 4-layer models and checked leaving each one out (benchmarks/RESULTS.md, "Planner"); XLA_TPU is
 the counts with one f32 copy of the logits and two of one MoE layer's dispatch rows, fitted on
-steps compiled by XLA:TPU (tests/targets/planner_grid.FIT, MOE_FIT) and checked on the shipped configs
-(tests/targets/test_configs.py); BY_COUNT, for GPUs, is the counts themselves, an estimate not yet
-checked against a compiled step there.
+steps compiled by XLA:TPU (tests/targets/planner_grid.FIT, MOE_FIT) and checked on the shipped
+configs (tests/targets/test_configs.py); BY_COUNT, for GPUs, is the counts themselves, an
+estimate not yet checked against a compiled step there.
 """
 
 import dataclasses
@@ -29,6 +29,8 @@ F32 = 4
 SAVED = {"none": (2.0, 3, 2), "dots": (1.5, 2, 1), "full": (0.5, 0, 0)}
 # MoE dispatch rows (Widths.dispatch) saved per layer: the gathered expert inputs, unless recomputed
 SAVED_DISPATCH = {"none": 1, "dots": 1, "full": 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class Scales:
   """How many copies of each count a backend's buffer assignment holds at the step's peak."""
@@ -42,7 +44,7 @@ class Scales:
   # x params: gradient, update and the moments' new values before they land in the state
   optimizer: float
   optimizer_tokens: float  # x tokens x D x 4: what of the batch is still alive at the update
-  dispatch: float = 1.0  # x one MoE layer's dispatch rows (Widths.dispatch), in one layer's backward
+  dispatch: float = 1.0  # x one MoE layer's dispatch rows (Widths.dispatch) in its backward
 
 
 # XLA:CPU, fitted on compiled steps. Unrolled layers: remat changes nothing there (nn.remat's

@@ -69,7 +69,8 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
   tokens = act.microbatch_tokens(t.batch_size, t.seq_len, data_ways, shape["context"],
                                  t.microbatches)
-  w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind), shape["expert"])
+  w = act.widths(m, t.seq_len, shape["tensor"], _attention_impl(m, t.seq_len, kind),
+                 shape["expert"])
   dtype_bytes = 2 if m.compute_dtype == "bfloat16" else 4
   out = {"params": sb["params"], "opt_state": sb["opt_state"] + sb["other"]}
   k = {"cpu": act.XLA_CPU, "tpu": act.XLA_TPU}.get(BACKENDS[kind], act.BY_COUNT)

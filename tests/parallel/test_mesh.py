@@ -57,15 +57,15 @@ def test_rules_map_logical_names():
 def test_mesh_fills_minus_one():
   cfg = tiny_config(mesh=dict(data=-1, fsdp=2, tensor=2))
   mesh = parallel.make_mesh(cfg.mesh)
-  assert dict(mesh.shape) == {"replica": 1, "stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1,
-                              "tensor": 2}
+  assert dict(mesh.shape) == {"replica": 1, "stage": 1, "data": 2, "fsdp": 2, "expert": 1,
+                              "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
 @pytest.mark.parametrize("rules", parallel.RULES)
 def test_stacked_layers_go_to_stage(rules):
-  """The stacked layers' leading axis lies on the pipeline's stage axis in every preset when the mesh
-  has stages; without them no spec names `stage`."""
+  """The stacked layers' leading axis lies on the pipeline's stage axis in every preset when the
+  mesh has stages; without them no spec names `stage`."""
   staged = parallel.make_mesh(tiny_config(mesh=dict(stage=2, data=-1)).mesh)
   plain = parallel.make_mesh(tiny_config(mesh=dict(data=-1)).mesh)
   with nn.logical_axis_rules(parallel.mesh.rules(staged, rules)):

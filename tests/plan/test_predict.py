@@ -56,8 +56,9 @@ def test_memory_moves_the_right_way():
 
 
 def test_moe_dispatch_rows_follow_the_expert_shards():
-  """Dropless over X expert shards holds the worst case, X x min(k, E / X) expert rows a token (every
-  token of every shard to one shard's experts); capacity holds capacity_factor x k slots whatever X."""
+  """Dropless over X expert shards holds the worst case, X x min(k, E / X) expert rows a token
+  (every token of every shard to one shard's experts); capacity holds capacity_factor x k slots
+  whatever X."""
   from jaxtrain.config import ModelConfig
   from jaxtrain.plan import activations
   m = ModelConfig(n_experts=8, top_k=2, dispatch="dropless")
@@ -67,8 +68,9 @@ def test_moe_dispatch_rows_follow_the_expert_shards():
   capacity = ModelConfig(n_experts=8, top_k=2, dispatch="capacity", capacity_factor=1.5)
   assert activations.expert_rows(capacity, 8) == (3.0, 0)
   moe = dict(n_experts=8, top_k=2, d_ff_expert=64, dispatch="dropless")
-  one = memory(tiny_config(model=moe, mesh={"data": 1, "fsdp": -1, "expert": 1, "rules": "fsdp_ep"}))
-  eight = memory(tiny_config(model=moe, mesh={"data": 1, "fsdp": -1, "expert": 8, "rules": "fsdp_ep"}))
+  mesh = lambda expert: {"data": 1, "fsdp": -1, "expert": expert, "rules": "fsdp_ep"}
+  one = memory(tiny_config(model=moe, mesh=mesh(1)))
+  eight = memory(tiny_config(model=moe, mesh=mesh(8)))
   assert eight["activations"] > 2 * one["activations"]
 
 

@@ -14,9 +14,10 @@ from tests.targets import planner_grid
 
 GIB = 1024**3
 PLANNER_TOLERANCE = 0.15  # predicted per-device memory within 15% of the compiler's
-# Per-device totals a config must stay under, for regressions the fit check would not see: long_32k's
-# blockwise attention took 2.49 GiB while XLA:TPU precomputed every key block's mask (the whole
-# L x S mask, 2 GiB), 0.48 GiB since its scan reads each block through an optimization barrier
+# Per-device totals a config must stay under, for regressions the fit check would not see:
+# long_32k's blockwise attention took 2.49 GiB while XLA:TPU precomputed every key block's mask
+# (the whole L x S mask, 2 GiB), 0.48 GiB since its scan reads each block through an optimization
+# barrier
 AT_MOST_GIB = {"long_32k": 1.0}
 
 # config, target, overrides (the config's own mesh unless said), the mesh axes its collectives use

@@ -9,10 +9,10 @@ temporaries are [L, block] per key block. Queries are not blocked (their count o
 block linearly). Every block is computed, none skipped: which blocks are fully masked depends on the
 indices' values.
 
-Each scan step reads its key block through `jax.lax.optimization_barrier`: without it XLA:TPU computed
-the mask of every block before the loop (a [blocks, B, G, R, L, block] boolean, the whole L x S
-mask: 2 of long_32k's 2.49 GiB a chip; 0.48 GiB with the barrier). XLA:CPU runs the same speed
-either way.
+Each scan step reads its key block through `jax.lax.optimization_barrier`: without it XLA:TPU
+computed the mask of every block before the loop (a [blocks, B, G, R, L, block] boolean, the whole
+L x S mask: 2 of long_32k's 2.49 GiB a chip; 0.48 GiB with the barrier). XLA:CPU runs the same
+speed either way.
 """
 
 import functools
