@@ -107,8 +107,14 @@ def all_gather_along(x, axes: tuple[str, ...], dim: int):
   return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
 
 
+def permute(x, axis: str, pairs: list[tuple[int, int]]):
+  """Along manual mesh axis `axis`: shard a's `x` goes to shard b for each (a, b) in `pairs` (a
+  shard no pair sends to gets zeros)."""
+  return jax.lax.ppermute(x, axis, pairs)
+
+
 def ppermute(x, axis: str, shift: int = 1):
   """Around the ring of manual mesh axis `axis`: shard i's `x` goes to shard (i + shift) mod n, so
   each shard gets shard (i - shift)'s."""
   n = axis_size(axis)
-  return jax.lax.ppermute(x, axis, [(i, (i + shift) % n) for i in range(n)])
+  return permute(x, axis, [(i, (i + shift) % n) for i in range(n)])

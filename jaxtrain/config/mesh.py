@@ -96,8 +96,11 @@ def _validate_stage(cfg, shape):
     return
   refused = [what for what, on in ((f"model.n_experts={m.n_experts}", m.n_experts),
                                    (f"mesh.context={shape['context']}", shape["context"] > 1),
-                                   (f"train.task={t.task}", t.task in ("grpo", "ppo"))) if on]
-  if refused:  # experts: their shard_map inside the stages'; rollouts: decoding through stages
+                                   (f"train.task={t.task}", t.task in ("grpo", "ppo")),
+                                   ("model.attention=splash", m.attention == "splash")) if on]
+  # experts: their shard_map inside the stages'; rollouts: decoding through stages; splash: its
+  # backward pass does not type its cotangents as varying over stages (auto takes blockwise or xla)
+  if refused:
     raise ConfigError(f"mesh.stage={s} with {refused[0]}: the pipeline does not run it yet "
                       "(set --config.mesh.stage=1)")
   if m.n_layers % (s * r):

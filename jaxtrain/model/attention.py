@@ -19,7 +19,7 @@ from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.kernels import manual, platform
 from jaxtrain.kernels.attention import blockwise, reference
-from jaxtrain.model import axes, context, fp8
+from jaxtrain.model import axes, context, fp8, pipeline
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
@@ -140,6 +140,12 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
     _log_once("attention: cudnn cannot mask packed documents (segment ids), "
               "using xla for packed batches")
     return "xla"
+  if name == "splash" and pipeline.inside_stage():
+    # jax's splash kernel does not say how its cotangents vary, which autodiff refuses inside the
+    # pipeline's shard_map (model.attention=splash with stages is refused by the config)
+    fallback = "blockwise" if length >= CPU_BLOCKWISE_FROM else "xla"
+    _log_once(f"attention: splash cannot run inside a pipeline stage, using {fallback}")
+    return fallback
   if name in IN_ORDER_ONLY and not in_order:
     # memory linear in length where the [B, H, L, S] scores would not fit (context parallelism's
     # load-balanced order at 16K+ on TPU: long_32k's xla step needs 24.67 GiB a v5e chip)

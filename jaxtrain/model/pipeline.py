@@ -11,14 +11,16 @@ back to stage 0): T = M R + S - 1 iterations, of which each stage idles S - 1 (t
 next repeat (M >= S when R > 1, so it is back in time); the last stage writes the final repeat's
 outputs into its own.
 
-The stored parameters keep the unpipelined tree (a checkpoint moves between the two); with R = 1 the
-split is each stage's own contiguous shard, with R > 1 the step regroups the layers (GSPMD moves the
-parameters between stages once a step, and their gradients back: on CPU it gathers the whole stack,
-"involuntary full rematerialization"). Each iteration is rematerialized: with `model.remat` on, its
+The stored parameters keep the unpipelined tree (a checkpoint moves between the two), sharded
+contiguously over the stages: stage s holds blocks s R .. s R + R - 1 of Z/(R S) layers. With R = 1
+that is the block it runs; with R > 1 it runs blocks s, S + s, ..., so each step exchanges the
+blocks once, in R rounds of ppermute (`circular_rounds`), and the gradients go back the same way:
+every stage sends and receives (R - 1)/R of its share, never the whole stack. Each iteration is rematerialized: with `model.remat` on, its
 input is all it keeps for the backward pass (the layers' own policy applies when it is recomputed);
 off, it keeps everything but its slice of the weights.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -36,6 +38,13 @@ def stage_axis() -> str:
   if len(names) > 1:
     raise ValueError(f"the layers lie on mesh axes {names}: a pipeline runs over one")
   return names[0] if names else ""
+
+
+def inside_stage() -> bool:
+  """Whether this is traced inside a pipeline stage (the shard_map over the layers' mesh axis)."""
+  spec = nn.logical_to_mesh_axes((axes.LAYERS,))[0]
+  names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return any(a in collectives.manual_axes() for a in names)
 
 
 def split_microbatches(x, m: int):
@@ -56,6 +65,50 @@ def iterations(stages: int, repeats: int, microbatches: int) -> int:
   return microbatches * repeats + stages - 1
 
 
+def circular_rounds(stages: int, repeats: int) -> list[list[tuple[int, int, int, int]]]:
+  """The exchange from contiguous blocks to circular ones, as R rounds of one block a stage.
+
+  Block b (layers b Z/(R S) ..) lies on stage b // R (slot b % R) and runs on stage b % S as
+  repeat b // S. Every stage sends R blocks and receives R, so the moves split into R perfect
+  matchings (Koenig), each one ppermute: round k is [(source, slot, destination, repeat)], one
+  entry a source stage."""
+  moves = [(b // repeats, b % repeats, b % stages, b // stages) for b in range(stages * repeats)]
+  rounds = []
+  while moves:
+    match = {}  # destination -> move
+
+    def augment(src, seen):  # Kuhn: give `src` a destination, moving others if need be
+      for move in moves:
+        if move[0] == src and move[2] not in seen:
+          seen.add(move[2])
+          if move[2] not in match or augment(match[move[2]][0], seen):
+            match[move[2]] = move
+            return True
+      return False
+
+    for src in range(stages):
+      if not augment(src, set()):
+        raise AssertionError(f"no perfect matching left for {stages} stages x {repeats} repeats")
+    rounds.append(sorted(match.values()))
+    for move in match.values():
+      moves.remove(move)
+  return rounds
+
+
+def _to_circular(blocks, axis: str, s, rounds):
+  """This stage's contiguous [R, Z/(R S), ...] -> the blocks it runs, [R, Z/(R S), ...] by repeat."""
+  got, repeat_of = [], []
+  for moves in rounds:
+    slot = jnp.asarray([m[1] for m in moves])[s]  # moves are sorted by source stage
+    pairs = [(m[0], m[2]) for m in moves]
+    stay = all(a == b for a, b in pairs)  # every stage keeps a block of its own: nothing to send
+    got.append(blocks[slot] if stay else collectives.permute(blocks[slot], axis, pairs))
+    repeat_of.append({m[2]: m[3] for m in moves})
+  order = [[next(k for k, r in enumerate(repeat_of) if r[d] == rep) for rep in range(len(rounds))]
+           for d in range(len(repeat_of[0]))]  # destination -> the round each repeat came in
+  return jnp.stack(got)[jnp.asarray(order)[s]]
+
+
 def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches: int,
              remat: bool):
   """The layer stack `params` (leaves [Z, ...]) applied to `x_BLD`, pipelined over the stage axis.
@@ -65,10 +118,7 @@ def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches:
   axis = stage_axis()
   s_count, m_count = collectives.axis_size(axis), microbatches
 
-  def regroup(p):  # [Z, ...] -> [R, S, Z/(R S), ...]: layer r Z/R + s Z/(R S) + j
-    return p.reshape(repeats, s_count, p.shape[0] // (repeats * s_count), *p.shape[1:])
-
-  params = jax.tree.map(regroup, params)
+  rounds = circular_rounds(s_count, repeats) if repeats > 1 else []
   x_MbLD = split_microbatches(x_BLD, m_count)
   rows = {k: split_microbatches(v, m_count) for k, v in rows.items()}
 
@@ -83,7 +133,10 @@ def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches:
 
   def local(params, x_MbLD, rows):
     s = collectives.axis_index(axis)
-    params = jax.tree.map(lambda p: p[:, 0], params)  # this stage's [R, Z/(R S), ...]
+    params = jax.tree.map(  # this stage's contiguous [R, Z/(R S), ...], then the ones it runs
+        lambda p: p.reshape(repeats, p.shape[0] // repeats, *p.shape[1:]), params)
+    if rounds:
+      params = jax.tree.map(lambda p: _to_circular(p, axis, s, rounds), params)
 
     def iteration(carry, t):
       cur_bLD, io_MbLD = carry
@@ -103,7 +156,7 @@ def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches:
     _, io_MbLD = jax.lax.scan(iteration, carry, steps)[0]
     return collectives.psum(jnp.where(s == s_count - 1, io_MbLD, 0), (axis,))
 
-  specs = jax.tree.map(lambda _: P(None, axis), params)
+  specs = jax.tree.map(lambda _: P(axis), params)
   out_MbLD = collectives.shard_map(local, (axis,), in_specs=(specs, P(), P()),
                                    out_specs=P())(params, x_MbLD, rows)
   return join_microbatches(out_MbLD)

@@ -101,6 +101,39 @@ def test_the_compiled_schedule_runs_microbatches_x_repeats_plus_stages_minus_1_i
   assert trip_counts(*setup(n_layers=n_layers)) == []  # no loop without stages
 
 
+@pytest.mark.parametrize("stages,repeats", [(2, 2), (4, 2), (2, 4), (4, 3), (3, 4), (8, 8), (6, 4)])
+def test_circular_exchange_rounds_are_perfect_matchings(stages, repeats):
+  """R rounds; in each every stage sends one block and receives one; stage d gets, as repeat r,
+  block r S + d from where the contiguous split put it (stage b // R, slot b % R)."""
+  rounds = pipeline.circular_rounds(stages, repeats)
+  assert len(rounds) == repeats
+  got = {}
+  for moves in rounds:
+    assert sorted(m[0] for m in moves) == list(range(stages))
+    assert sorted(m[2] for m in moves) == list(range(stages))
+    for src, slot, dst, r in moves:
+      got[dst, r] = src * repeats + slot
+  assert got == {(d, r): r * stages + d for d in range(stages) for r in range(repeats)}
+
+
+def test_circular_repeats_exchange_blocks_instead_of_gathering_the_stack(capfd):
+  """The gradient of a circular pipeline (4 stages x 2 repeats) compiles with no all-gather (GSPMD
+  gathered the whole layer stack onto every stage before the blocks were exchanged by ppermute) and
+  without XLA's resharding warnings."""
+  model, mesh, rules = setup(stage=4, repeats=2, n_layers=8, scan=True)
+  tokens, pos, seg = batch()
+  with parallel.activate(mesh, rules):
+    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    params = jax.jit(lambda k: nn.unbox(model.init(k, tokens)["params"]),
+                     out_shardings=parallel.logical_shardings(nn.get_partition_spec(boxed), mesh,
+                                                              rules))(jax.random.key(0))
+    grad = jax.jit(jax.grad(lambda p: model.apply({"params": p}, tokens, pos, seg).mean()))
+    hlo = grad.lower(params).compile().as_text()
+  assert "all-gather" not in hlo
+  assert "collective-permute" in hlo
+  assert "rematerialization" not in capfd.readouterr().err.lower()
+
+
 BAD = {  # overrides -> a word the one-line message names
     "layers do not divide into stages x repeats": (
         dict(mesh=dict(stage=4), model=dict(n_layers=6)), "model.n_layers=6"),
@@ -116,6 +149,8 @@ BAD = {  # overrides -> a word the one-line message names
                                     "explicit reduction over data"),
     "rollouts decoding through stages": (dict(mesh=dict(stage=2), train=dict(task="grpo")),
                                          "train.task=grpo"),
+    "splash inside stages": (dict(mesh=dict(stage=2), model=dict(attention="splash")),
+                             "model.attention=splash"),
     "repeats below one": (dict(model=dict(pipeline_repeats=0)), "model.pipeline_repeats"),
     "negative microbatches": (dict(train=dict(pipeline_microbatches=-1)),
                               "train.pipeline_microbatches"),
