@@ -23,6 +23,7 @@ off, it keeps everything but its slice of the weights.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -109,6 +110,19 @@ def _to_circular(blocks, axis: str, s, rounds):
   return jnp.stack(got)[jnp.asarray(order)[s]]
 
 
+def schedule(stages: int, repeats: int, microbatches: int) -> np.ndarray:
+  """[T, S]: the item stage s runs at iteration t (i = r M + m: microbatch m, repeat r), -1 where it
+  idles. The loop reads its items from this table."""
+  t = np.arange(iterations(stages, repeats, microbatches))[:, None]
+  i = t - np.arange(stages)[None]
+  return np.where((i >= 0) & (i < microbatches * repeats), i, -1).astype(np.int32)
+
+
+def bubble(stages: int, repeats: int, microbatches: int) -> float:
+  """The share of (stage, iteration) slots of the schedule in which a stage idles."""
+  return float(np.mean(schedule(stages, repeats, microbatches) < 0))
+
+
 def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches: int,
              remat: bool):
   """The layer stack `params` (leaves [Z, ...]) applied to `x_BLD`, pipelined over the stage axis.
@@ -133,6 +147,7 @@ def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches:
 
   def local(params, x_MbLD, rows):
     s = collectives.axis_index(axis)
+    items = jnp.asarray(schedule(s_count, repeats, m_count))
     params = jax.tree.map(  # this stage's contiguous [R, Z/(R S), ...], then the ones it runs
         lambda p: p.reshape(repeats, p.shape[0] // repeats, *p.shape[1:]), params)
     if rounds:
@@ -140,7 +155,7 @@ def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches:
 
     def iteration(carry, t):
       cur_bLD, io_MbLD = carry
-      i = t - s  # the item this stage runs
+      i = items[t, s]  # the item this stage runs, -1: none (its work is computed and dropped)
       back = t - s_count  # the item the last stage sent to stage 0 at the end of iteration t - 1
       keep = (s == 0) & (back >= 0) & (back // m_count < repeats - 1)
       io_MbLD = io_MbLD.at[back % m_count].set(

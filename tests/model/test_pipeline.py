@@ -2,7 +2,9 @@
 equal the same model's without stages; the schedule runs M R + S - 1 iterations; bad combinations
 are one line; pipeline_tiny trains like its twin; checkpoints move between stages and none."""
 
+import contextlib
 import functools
+import io
 import os
 import re
 import shutil
@@ -99,6 +101,51 @@ def test_the_compiled_schedule_runs_microbatches_x_repeats_plus_stages_minus_1_i
   assert pipeline.iterations(stage, repeats, microbatches or stage) == expected
   assert trip_counts(model, mesh, rules) == [expected]  # the one loop: layers are unrolled
   assert trip_counts(*setup(n_layers=n_layers)) == []  # no loop without stages
+
+
+@pytest.mark.parametrize("stages,repeats,microbatches", [
+    (2, 1, 2), (4, 1, 4), (4, 1, 16), (2, 2, 4), (4, 2, 4), (4, 3, 8), (8, 4, 8)])
+def test_the_schedule_idles_stages_minus_1_of_microbatches_x_repeats_plus_stages_minus_1(
+    stages, repeats, microbatches):
+  """The loop's own table (pipeline.schedule): every stage runs every item once, each one iteration
+  after the stage before it (one ppermute), each repeat after the last stage finished the one before
+  on that microbatch; its idle share is (S - 1) / (R M + S - 1), GPipe's bubble, exactly."""
+  table = pipeline.schedule(stages, repeats, microbatches)
+  items = microbatches * repeats
+  assert table.shape == (items + stages - 1, stages)
+  at = {}  # (stage, item) -> iteration
+  for t, row in enumerate(table):
+    for s, i in enumerate(row):
+      if i >= 0:
+        assert (s, i) not in at
+        at[s, i] = t
+  assert len(at) == stages * items
+  for (s, i), t in at.items():
+    if s > 0:
+      assert t == at[s - 1, i] + 1
+    elif i >= microbatches:  # the same microbatch's previous repeat, back from the last stage
+      assert t > at[stages - 1, i - microbatches]
+  bubble = (stages - 1) / (repeats * microbatches + stages - 1)
+  assert pipeline.bubble(stages, repeats, microbatches) == pytest.approx(bubble, rel=1e-12)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 4), (4, 16), (2, 8)])
+def test_gpipe_saves_every_iteration_input(stages, microbatches):
+  """What a 1F1B schedule would cut (docs/PIPELINE_1F1B.md): with remat on, GPipe's backward pass
+  keeps, a stage, the input of each of its T = M + S - 1 iterations and the M-microbatch buffer
+  (global views [S T, b, L, D] and [S M, b, L, D]); 1F1B would keep at most S."""
+  model, mesh, rules = setup(stage=stages, microbatches=microbatches, remat="full")
+  tokens, pos, seg = (jnp.tile(a, (microbatches // 2, 1)) for a in batch())
+  with parallel.activate(mesh, rules):
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # jax's public form of saved_residuals prints them
+      jax.ad_checkpoint.print_saved_residuals(
+          lambda p: model.apply({"params": p}, tokens, pos, seg).mean(), params)
+  rows = tokens.shape[0] // microbatches  # a microbatch (data stays GSPMD's: the global rows)
+  shapes = sorted(int(n) for n in re.findall(rf"f32\[(\d+),{rows},16,32\]", out.getvalue()))
+  t = pipeline.iterations(stages, 1, microbatches)
+  assert shapes == sorted([stages * t, stages * microbatches]), shapes
 
 
 @pytest.mark.parametrize("stages,repeats", [(2, 2), (4, 2), (2, 4), (4, 3), (3, 4), (8, 8), (6, 4)])
