@@ -25,6 +25,7 @@ CASES = [
     ("gpt2_small", "tpu-v5p:2x2x1", {}, {"data"}),
     ("llama_1b", "tpu-v5p:2x2x4", {}, {"fsdp"}),  # fsdp 16 (on 4 chips: 172 GiB of temporaries)
     ("llama_8b", "tpu-v5p:4x4x4", {}, {"fsdp"}),  # fsdp 64, batch 256 x 8192
+    ("llama_70b", "tpu-v5p:2x2x4", {}, {"fsdp"}),  # fsdp 16, 49.3 GiB of state a chip
     ("mixtral_8x7b", "tpu-v5p:4x4x4", {}, {"fsdp", "expert"}),  # fsdp 8 x expert 8
     # fsdp 64 x expert 8, 2 microbatches: on 256 chips with expert 256 and fsdp 1 (its first layout)
     # XLA:TPU refused 1.46 TB of temporaries a chip: every dense weight replicated, and dropless
@@ -97,6 +98,10 @@ def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
 PIPELINE_CASES = [
     ("llama_8b", "tpu-v5p:2x2x2", {"mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 16,
                                    "train.pipeline_microbatches": 8}),
+    # 4 stages x fsdp 4: XLA:TPU refuses 109.48 GiB of temporaries (fsdp 16 fits in 89.63 GiB):
+    # about three f32 copies of each stage's gradient (17 GiB each), summed over the iterations
+    pytest.param("llama_70b", "tpu-v5p:2x2x4", {"mesh.stage": 4, "mesh.fsdp": 4},
+                 marks=pytest.mark.xfail(strict=True, reason="the stage's gradient copies")),
     ("pipeline_tiny", "tpu-v5p:2x2x2", {}),
     ("pipeline_tiny", "tpu-v5p:2x2x1", {"mesh.stage": 2, "model.pipeline_repeats": 2,
                                         "train.pipeline_microbatches": 4}),
@@ -104,7 +109,7 @@ PIPELINE_CASES = [
 
 
 @pytest.mark.parametrize("name, target, overrides", PIPELINE_CASES,
-                         ids=["llama_8b", "pipeline_tiny", "pipeline_tiny:circular"])
+                         ids=["llama_8b", "llama_70b", "pipeline_tiny", "pipeline_tiny:circular"])
 def test_pipelined_config_compiles_for_tpu(target_devices, name, target, overrides):
   """Fits; activations cross `stage`; the traced step's matmuls are the model's times the
   schedule's T / (M R) (every stage computes in its bubble iterations too), with remat's recompute
