@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, optim, parallel
-from jaxtrain.core import state as state_lib
+from jaxtrain.core import offload, state as state_lib
 from jaxtrain.core.lm import LanguageModel
 from jaxtrain.core.step import make_train_step
 from jaxtrain.posttrain import Dpo, Grpo, Ppo, RewardModel, Sft
@@ -35,10 +35,25 @@ def build(cfg, workdir: str = "", devices=None, task=None) -> Run:
   """Mesh, task (default: the one train.task names), optimizer and schedule of a validated
   config."""
   mesh = parallel.make_mesh(cfg.mesh, devices)
+  check_offload(cfg.train.offload, mesh.devices.flat[0].platform)
   task = make_task(cfg, workdir) if task is None else task
   tx, schedule = optim.build(cfg.optim, cfg.train.steps, cfg.comm, cfg.diloco,
                              mesh.shape[cfg.comm.axis], cfg.train.seed)
   return Run(mesh, task, tx, schedule)
+
+
+def check_offload(offload: str, platform: str) -> None:
+  """train.offload on the devices' platform, refused in one line where it does not work: XLA:CPU
+  executes no memory kinds, and XLA:GPU (jax 0.10.2) compiles params in pinned host memory but
+  keeps them on the device (benchmarks/RESULTS.md, "Host offload")."""
+  if offload != "none" and platform == "cpu":
+    raise config_lib.ConfigError(
+        f"train.offload={offload}: host offload needs a TPU or GPU (the CPU backend executes no "
+        f"memory kinds); compile it for one with `python -m jaxtrain compile --target=...`")
+  if offload == "params" and platform in ("gpu", "cuda", "rocm"):
+    raise config_lib.ConfigError(
+        "train.offload=params: XLA:GPU keeps the params in device memory (none reach the host); "
+        "offload the optimizer or activations there")
 
 
 def make_task(cfg, workdir: str):
@@ -54,14 +69,16 @@ def compile_steps(cfg, mesh, task, tx, schedule, shardings):
   """The train and eval steps, jitted once with explicit shardings; the state is donated."""
   batch_sh = parallel.batch_sharding(mesh)
   way = optim.outer(cfg)
+  tx = offload.around_tx(tx, cfg.train.offload)
   step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics,
                          update_extra=task.update_extra, microbatches=cfg.train.microbatches,
                          reduce_axis=way.axis, state_specs=manual_specs(shardings, way.axis),
                          local_metrics=way.local_metrics, loss_params=way.loss_params)
+  step = offload.around(step, cfg.train.offload)
   train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
   eval_fn = jax.jit(
-      task.eval_sums,
+      offload.around_eval(task.eval_sums, cfg.train.offload),
       in_shardings=(shardings.params, shardings.extra, shardings.task_state, batch_sh))
   return train_fn, eval_fn
 
@@ -80,10 +97,11 @@ def per_replica_metrics(cfg) -> bool:
   return optim.outer(cfg).local_metrics
 
 
-def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, step=None):
-  """The newest (or `step`) checkpoint read straight into its shardings (nothing initialized first):
-  (state, shardings, data_state, restore metrics row)."""
-  shardings = state_lib.state_shardings(task, tx, mesh, rules_name)
+def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, step=None,
+                  offload: str = "none"):
+  """The newest (or `step`) checkpoint read straight into its shardings (nothing initialized first;
+  `offload`: train.offload): (state, shardings, data_state, restore metrics row)."""
+  shardings = state_lib.state_shardings(task, tx, mesh, rules_name, offload)
   state, data_state, _, row = ckpts.restore(state_lib.abstract_state(task, tx), shardings, step)
   return state, shardings, data_state, row
 
@@ -126,7 +144,7 @@ def abstract_step(cfg, devices=None):
                               np.asarray(v).dtype, sharding=batch_sh)
       for k, v in host.items()
   }
-  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules)
+  shardings = state_lib.state_shardings(task, tx, mesh, cfg.mesh.rules, cfg.train.offload)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        state_lib.abstract_state(task, tx), shardings)
   with parallel.activate(mesh, cfg.mesh.rules):

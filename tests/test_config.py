@@ -135,6 +135,12 @@ BAD = {
     "context with an explicit reduction": ["--config.mesh.context=2", "--config.mesh.replica=2",
                                            "--config.comm.format=int8"],
     "context does not divide devices": ["--config.mesh.context=3"],
+    # host offload: a choice, activations only under remat, none of it on CPU (memory kinds)
+    "offload unknown": ["--config.train.offload=grads"],
+    "offload activations without remat": ["--config.train.offload=activations"],
+    "offload on CPU": ["--config.train.offload=optimizer"],
+    "offload with an explicit reduction": ["--config.mesh.replica=2", "--config.comm.format=int8",
+                                           "--config.train.offload=optimizer"],
 }
 
 

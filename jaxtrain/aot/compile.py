@@ -6,7 +6,8 @@ by that backend's own compiler, and what the compiler says of it.
 argument, output, temp, alias; total = argument + output + temp - alias, the donated state counted
 once) against the chip's HBM, matmul FLOPs per device (`matmul_flops`: of the traced step, remat's
 recomputation included; `cost_analysis()` counts a scanned layer once), collective bytes by
-mesh axis (`parallel.hlo_bytes`, counted in the compiled HLO) and the time to lower and compile.
+mesh axis (`parallel.hlo_bytes`, counted in the compiled HLO), what train.offload keeps in and
+copies to the host's memory, and the time to lower and compile.
 When the compiler refuses the program for want of memory, `fits` is False and `refusal` says what it
 needed. Compiled is not executed: nothing here runs a step."""
 
@@ -44,6 +45,9 @@ class Compiled:
   refusal: str = ""  # the compiler's own words when it refused the program
   kernels: tuple = ()  # the Pallas kernels the step calls (their FLOPs are not in `flops`)
   ragged_flops: float = 0.0  # per device: dropless MoE's ragged dots at their static size, at most
+  # train.offload: bytes in the host's memory ("argument", "temp") and copied per step ("to_host",
+  # "to_device"; parallel.hlo_bytes.host_transfers), per device
+  host: dict = dataclasses.field(default_factory=dict)
 
   @property
   def fits(self) -> bool:
@@ -66,6 +70,11 @@ class Compiled:
                 f" (jax may allocate {self.usable_bytes / GIB:.2f})")
       lines.append(f"  total {m['total'] / GIB:.2f} of {self.hbm_bytes / GIB:.2f} HBM{usable}: "
                    f"{verdict}")
+    if any(self.host.values()):
+      h = self.host
+      lines.append(f"host memory (GiB): argument {h['argument'] / GIB:.2f}, temp "
+                   f"{h['temp'] / GIB:.2f}; copied per step: {h['to_host'] / GIB:.3f} to the host, "
+                   f"{h['to_device'] / GIB:.3f} to the device")
     if self.flops:
       at_peak = self.flops / chip.bf16_flops
       bound = ("" if self.kernels or self.ragged_flops else
@@ -113,7 +122,7 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
     kernels = tuple(sorted(set(kernel_names(traced.jaxpr.jaxpr))))
     lower_s = time.perf_counter() - start
     start = time.perf_counter()
-    memory, refusal, text = {}, "", ""
+    memory, refusal, text, host = {}, "", "", {}
     try:
       compiled = lowered.compile()
     except Exception as e:  # XlaRuntimeError: the compiler's verdict, reported, not raised
@@ -125,6 +134,8 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
       memory = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in MEMORY_KEYS[:-1]}
       memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
       text = compiled.as_text()
+      host = {k: int(getattr(stats, f"host_{k}_size_in_bytes")) for k in ("argument", "temp")}
+      host.update(hlo_bytes.host_transfers(text))
     compile_s = time.perf_counter() - start
   rows = hlo_bytes.collectives(text, mesh) if text else []
   collectives = {f"{axes} {dtype}": b for (axes, dtype), b in hlo_bytes.by_axis(rows).items()}
@@ -133,7 +144,7 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
                   flops=flops, model_flops=_model_flops(cfg) / len(devices),
                   collectives=collectives,
                   lower_s=lower_s, compile_s=compile_s, refusal=refusal, kernels=kernels,
-                  ragged_flops=ragged_flops)
+                  ragged_flops=ragged_flops, host=host)
 
 
 def _model_flops(cfg) -> float:

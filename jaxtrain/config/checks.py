@@ -20,7 +20,8 @@ RESUMABLE_CHANGES = (
     "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
     "train.eval_batches", "train.microbatches", "train.pipeline_microbatches",
     "model.pipeline_repeats", "data.prefetch", "data.prepare_workers",
-    "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price", "train.device_memory_gib")
+    "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price", "train.device_memory_gib",
+    "train.offload")
 
 
 def validate(cfg, device_count: int) -> dict[str, int]:

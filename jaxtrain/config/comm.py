@@ -63,6 +63,10 @@ def manual_axis(cfg) -> str:
 def validate_comm(cfg, shape) -> None:
   """The comm and diloco sections' checks (and what an explicit reduction needs of the others)."""
   cm, dl, o, m = cfg.comm, cfg.diloco, cfg.optim, cfg.model
+  if cfg.train.offload in ("optimizer", "params") and manual_axis(cfg):
+    raise ConfigError(f"train.offload={cfg.train.offload} with a step manual over "
+                      f"{manual_axis(cfg)!r} (an explicit reduction or DiLoCo) is not supported; "
+                      f"offload activations or nothing")
   axis, cp = manual_axis(cfg), shape["context"]
   if axis and cp > 1:
     raise ConfigError(f"the context axis ({cp}) with an explicit reduction over {axis} "

@@ -14,6 +14,9 @@ CROSS_ENTROPY = ("full", "chunked", "pallas")
 # (jaxtrain/plan/auto.py)
 AUTO = "auto"
 AUTO_KEYS = ("train.batch_size", "train.microbatches")
+# Host offload (jaxtrain/core/offload.py): none, the optimizer state or the params kept in pinned
+# host memory between steps, or each layer's saved input (remat) offloaded during the step
+OFFLOAD = ("none", "optimizer", "params", "activations")
 RANGES = {"train.z_loss": (0.0, math.inf, True), "train.device_memory_gib": (0.0, math.inf, True)}
 
 
@@ -44,6 +47,8 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.peer_timeout_s = 60.0
   # price of one GPU-hour (one host-hour on CPU): cost per million tokens; 0 = not shown
   t.gpu_hour_price = 0.0
+  # one of OFFLOAD; TPU and GPU only (the CPU backend executes no memory kinds: refused there)
+  t.offload = "none"
   # one of jaxtrain/builder.py TASKS: lm (pre-training), sft, rm (reward model), dpo, grpo, ppo
   # (jaxtrain/posttrain)
   t.task = "lm"
@@ -54,6 +59,13 @@ def validate_train(cfg, shape) -> None:
   """The train section's checks, on the mesh `shape` its batch is split over."""
   t, m = cfg.train, cfg.model
   check_choice("train.cross_entropy", t.cross_entropy, CROSS_ENTROPY)
+  check_choice("train.offload", t.offload, OFFLOAD)
+  if t.offload == "activations" and (m.remat == "none" or shape["stage"] > 1):
+    raise ConfigError("train.offload=activations offloads the layer inputs that remat keeps for "
+                      "the backward pass: set model.remat=dots or full, without pipeline stages")
+  if t.offload == "params" and t.task in ("grpo", "ppo"):
+    raise ConfigError(f"train.offload=params: {t.task}'s rollouts read the params outside the "
+                      f"step; offload the optimizer instead")
   for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s",
               "ce_token_chunk", "ce_vocab_chunk"):
     auto = f"train.{key}" in AUTO_KEYS

@@ -71,7 +71,8 @@ class LanguageModel(Task):
   def __init__(self, cfg, workdir: str):
     self.cfg, self.workdir = cfg, workdir
     self.model = Transformer(ModelConfig.from_config(cfg.model),
-                             pipeline_microbatches=cfg.train.pipeline_microbatches)
+                             pipeline_microbatches=cfg.train.pipeline_microbatches,
+                             offload_activations=cfg.train.offload == "activations")
     t, m = cfg.train, self.model.cfg
     self.batch_size, self.seq_len, self.z_loss = t.batch_size, t.seq_len, t.z_loss
     self.tokens_per_batch = t.batch_size * t.seq_len

@@ -14,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import parallel
+from jaxtrain.core import offload as offload_lib
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -46,10 +47,12 @@ def abstract_state(task, tx) -> TrainState:
   return jax.eval_shape(init_fn(task, tx), 0)
 
 
-def state_shardings(task, tx, mesh, rules_name: str) -> TrainState:
-  """Shardings of every leaf of the train state, from its logical annotations."""
+def state_shardings(task, tx, mesh, rules_name: str, offload: str = "none") -> TrainState:
+  """Shardings of every leaf of the train state, from its logical annotations; what `offload`
+  (train.offload) keeps on the host in pinned host memory."""
   boxed = jax.eval_shape(init_fn(task, tx, boxed=True), 0)
-  return parallel.logical_shardings(_logical_specs(boxed), mesh, rules_name)
+  shardings = parallel.logical_shardings(_logical_specs(boxed), mesh, rules_name)
+  return offload_lib.place(shardings, nn.unbox(boxed), offload)
 
 
 def _logical_specs(tree):
@@ -63,9 +66,10 @@ def _logical_specs(tree):
   return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-def create_state(task, tx, seed: int, mesh, rules_name: str) -> tuple[TrainState, TrainState]:
+def create_state(task, tx, seed: int, mesh, rules_name: str,
+                 offload: str = "none") -> tuple[TrainState, TrainState]:
   """The train state born sharded (eval_shape -> shardings -> jitted init), and its shardings."""
-  shardings = state_shardings(task, tx, mesh, rules_name)
+  shardings = state_shardings(task, tx, mesh, rules_name, offload)
   # No mesh context: init traces a one-row forward pass (then dropped), which must not take the
   # expert-parallel path; the out_shardings alone place every leaf.
   with nn.logical_axis_rules(parallel.mesh.rules(mesh, rules_name)):

@@ -7,6 +7,7 @@ scanned and the unrolled (`scan_layers=False`, scan fully unrolled) models share
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import collectives
 from jaxtrain.collectives import constrain, logical_spec
@@ -23,6 +24,26 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+# Each layer's input, named for train.offload=activations: the one residual of a layer under remat
+# full, and the stack of them over the layers is what the scan keeps for the backward pass
+LAYER_INPUT = "layer_input"
+
+
+def remat_policy(remat: str, offload: bool):
+  """The remat policy of model.remat; `offload`: each layer's input goes to pinned host memory
+  (and comes back for the layer's backward pass) instead of staying on the device."""
+  base = REMAT_POLICIES[remat]
+  if not offload:
+    return base
+  to_host = jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+      offload_src="device", offload_dst="pinned_host")
+
+  def policy(prim, *args, **params):
+    if prim.name == "name" and params["name"] == LAYER_INPUT:
+      return to_host(prim, *args, **params)
+    return base(prim, *args, **params)
+  return policy
 
 
 class AddRMSNorm(nn.Module):
@@ -50,6 +71,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
     c = self.cfg
+    x_BLD = checkpoint_name(x_BLD, LAYER_INPUT)
     h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x_BLD)
     a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, segment_ids_BL, index_BL)
     if c.fused_norm == "off":
@@ -96,12 +118,13 @@ def layer_plan(cfg: ModelConfig) -> list[tuple[str, str, int]]:
 
 
 def stacked_layers(cfg: ModelConfig, decode: bool, name: str = "layers", kind: str = "dense",
-                   length: int | None = None, **module_args) -> nn.Module:
-  """Blocks as one nn.scan, rematerialized by policy; the name fixes the parameter path.
-  `module_args`: the module's own (parent=None for one applied on its own)."""
+                   length: int | None = None, offload: bool = False, **module_args) -> nn.Module:
+  """Blocks as one nn.scan, rematerialized by policy (`offload`: each layer's input kept in host
+  memory, remat_policy); the name fixes the parameter path. `module_args`: the module's own
+  (parent=None for one applied on its own)."""
   block = Group if kind == "group" else Block
   if cfg.remat != "none":
-    block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    block = nn.remat(block, policy=remat_policy(cfg.remat, offload), prevent_cse=False)
   length = cfg.n_layers if length is None else length
   scanned = nn.scan(
       block,
@@ -128,10 +151,12 @@ class Transformer(nn.Module):
 
   With the `layers` axis split over a mesh axis (mesh.stage), training passes run the layers as a
   pipeline of `pipeline_microbatches` microbatches (0 = one per stage; jaxtrain/model/pipeline.py);
-  init and decoding run them one after another, with the same parameters."""
+  init and decoding run them one after another, with the same parameters. `offload_activations`
+  (train.offload=activations): each layer's input saved for the backward pass in host memory."""
   cfg: ModelConfig
   decode: bool = False
   pipeline_microbatches: int = 0
+  offload_activations: bool = False
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None,
@@ -151,7 +176,8 @@ class Transformer(nn.Module):
       if pipelined:  # a dense stack (config refuses experts with stages)
         x_BLD, stats = self._pipeline(name, length, x_BLD, rows_BL), None
       else:
-        x_BLD, stats = stacked_layers(c, self.decode, name, kind, length)(
+        x_BLD, stats = stacked_layers(c, self.decode, name, kind, length,
+                                      self.offload_activations and not self.decode)(
             x_BLD, positions_BL, segment_ids_BL, indices_BL, valid_BL)
       if stats is not None:  # per-layer MoE statistics, [layers, ...], read by the train step
         self.sow("moe_stats", f"{name}_stats", stats)

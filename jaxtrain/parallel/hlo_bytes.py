@@ -286,7 +286,7 @@ def _runs(comps: dict[str, list]) -> dict[str, int]:
 def _trip_count(comps: dict[str, list], caller: list, operands: list, attrs: str) -> int:
   """A while loop's trip count: XLA's `known_trip_count` (CPU, GPU), else read off the loop (TPU
   leaves none): a condition `counter < N` on a tuple element that the loop's init sets to a
-  constant c gives N - c; anything else counts once."""
+  constant c (or a copy of one) gives N - c; anything else counts once."""
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
   if known:
     return int(known.group(1))
@@ -306,6 +306,8 @@ def _trip_count(comps: dict[str, list], caller: list, operands: list, attrs: str
     start = 0
     if init and init[0] == "tuple" and index and int(index.group(1)) < len(init[1]):
       element = here.get(ref(init[1][int(index.group(1))]))
+      while element and element[0] == "copy":  # a peeled loop's counter starts at a copied 1
+        element = here.get(ref(element[1][0]))
       if element and element[0] == "constant" and element[1][0].lstrip("-").isdigit():
         start = int(element[1][0])
     if limit[1][0].lstrip("-").isdigit():
@@ -376,3 +378,36 @@ def by_axis(rows: list[Collective]) -> dict[tuple[str, str], float]:
 def total(rows: list[Collective]) -> float:
   """Bytes one device sends per optimizer step, all collectives."""
   return sum(r.per_step for r in rows)
+
+
+HOST_SPACE = "S(5)"  # the host memory space in a compiled layout: `f32[8]{0:T(1024)S(5)}`
+
+
+def host_transfers(hlo_text: str) -> dict[str, float]:
+  """Bytes one device copies between its memory and the host's per execution of a compiled module,
+  {"to_host": ..., "to_device": ...}, times the runs of each instruction's computation (a scanned
+  layer's once per layer): copies (`copy-start`, `copy`) whose source or destination layout is in
+  the host memory space, slices read from a host buffer into the device (`dynamic-slice-start`) and
+  device slices written into one (`dynamic-update-slice-start`: remat's offloaded residuals)."""
+  comps = _computations(hlo_text)
+  runs, out = _runs(comps), {"to_host": 0.0, "to_device": 0.0}
+  on_host = lambda shape: HOST_SPACE in shape
+  for comp, insts in comps.items():
+    shapes = {name: shape for name, shape, *_ in insts}
+    for _, shape, opcode, operands, _ in insts:
+      parts = _split_top(shape.strip()[1:-1]) if shape.strip().startswith("(") else []
+      if opcode == "copy-start":  # (destination, source, context)
+        dst, src = parts[:2]
+      elif opcode == "copy" and operands:
+        dst, src = shape, shapes.get(operands[0].split()[-1].lstrip("%"), "")
+      elif opcode == "dynamic-slice-start":  # ((buffer, indices...), slice, context)
+        src, dst = _split_top(parts[0][1:-1])[0], parts[1]
+      elif opcode == "dynamic-update-slice-start":  # ((buffer, update, indices...), result)
+        dst, src = _split_top(parts[0][1:-1])[:2]
+      else:
+        continue
+      if on_host(dst) != on_host(src):
+        moved = src if opcode == "dynamic-update-slice-start" else dst
+        key = "to_host" if on_host(dst) else "to_device"
+        out[key] += sum(b for _, b in shape_parts(moved)) * runs[comp]
+  return out

@@ -73,7 +73,8 @@ class RlTask(Task):
     if jax.process_count() > 1:
       raise config_lib.ConfigError(f"train.task={cfg.train.task!r} runs in one process for now")
     self.cfg, self.workdir, self.p = cfg, workdir, cfg.posttrain
-    self.model = Transformer(ModelConfig.from_config(cfg.model))
+    self.model = Transformer(ModelConfig.from_config(cfg.model),
+                             offload_activations=cfg.train.offload == "activations")
     t, m = cfg.train, self.model.cfg
     self.batch_size = t.batch_size  # prompts a step; group_size samples each
     self.group_size = self._group_size()

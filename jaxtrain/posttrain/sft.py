@@ -20,7 +20,8 @@ class DataTask(Task):
   def __init__(self, cfg, workdir: str):
     self.cfg, self.workdir = cfg, workdir
     self.model = Transformer(ModelConfig.from_config(cfg.model),
-                             pipeline_microbatches=cfg.train.pipeline_microbatches)
+                             pipeline_microbatches=cfg.train.pipeline_microbatches,
+                             offload_activations=cfg.train.offload == "activations")
     t, m = cfg.train, self.model.cfg
     self.batch_size = t.batch_size
     self.tokens_per_batch = t.batch_size * t.seq_len * (2 if self.pairs else 1)

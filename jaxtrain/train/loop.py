@@ -135,14 +135,14 @@ def start_state(cfg, workdir: str, run: Run, ckpts, goodput, writer, train_iter)
   if ckpts.latest()[0] is not None:
     goodput.charge("init")
     state, shardings, data_state, row = restore_state(ckpts, run.task, run.tx, run.mesh,
-                                                      cfg.mesh.rules)
+                                                      cfg.mesh.rules, offload=cfg.train.offload)
     goodput.charge("restore")
     goodput.resume(goodput_lib.history(workdir), int(state.step))
     train_iter.set_state(data_state)
     writer.write(int(state.step), row)
     return state, shardings
   state, shardings = state_lib.create_state(run.task, run.tx, cfg.train.seed, run.mesh,
-                                            cfg.mesh.rules)
+                                            cfg.mesh.rules, cfg.train.offload)
   if cfg.checkpoint.init_from:
     load = lambda like: init_params(cfg.checkpoint.init_from, like)
     params, task_state = run.task.init_from(state.params, state.task_state, load)
@@ -348,5 +348,6 @@ def _rollback(cfg, ckpts, run: Run, step: int, rollbacks: int):
     reason = "no checkpoint to roll back to" if good is None else f"{rollbacks} rollbacks already"
     raise errors.Diverged(f"{why}; {reason} (optim.max_rollbacks={o.max_rollbacks})")
   ckpts.delete_after(good)
-  state = restore_state(ckpts, run.task, run.tx, run.mesh, cfg.mesh.rules, good)[0]
+  state = restore_state(ckpts, run.task, run.tx, run.mesh, cfg.mesh.rules, good,
+                        cfg.train.offload)[0]
   return state, good
