@@ -13,7 +13,7 @@ from jaxtrain import config as config_lib, metrics, wire
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import CPU_BLOCKWISE_FROM
 from jaxtrain.model.transformer import active_mlp_params
-from jaxtrain.plan import activations as act, devices as devices_lib
+from jaxtrain.plan import activations as act, devices as devices_lib, pipeline
 from jaxtrain.plan.state_bytes import state_bytes
 
 MEMORY_KEYS = ("params", "opt_state", "batch", "grads", "activations", "attention_temps",
@@ -48,6 +48,7 @@ class Plan:
   suggestions: list = dataclasses.field(default_factory=list)
   moe: bool = False
   remat: str = "none"
+  host_bytes: int = 0  # per device, kept in host memory by train.offload
 
   def table(self) -> str:
     return format_table(self)
@@ -76,16 +77,43 @@ def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
   k = {"cpu": act.XLA_CPU, "tpu": act.XLA_TPU}.get(BACKENDS[kind], act.BY_COUNT)
   out["grads"] = act.grads_bytes(sb["params"], shape["fsdp"] if cfg.mesh.rules != "dp" else 1, m,
                                  t.microbatches, k)
-  out.update(act.backward_bytes(m, w, tokens, dtype_bytes, k))
+  stages, repeats, pipeline_mb = pipeline.schedule(cfg, shape)
+  if stages > 1:
+    out.update(pipeline.backward_bytes(m, w, tokens, dtype_bytes, k, stages, repeats, pipeline_mb))
+    out["grads"] += sb["params"]  # summed over the iterations, as gradient accumulation does
+  else:
+    out.update(act.backward_bytes(m, w, tokens, dtype_bytes, k))
   out["loss_temps"] = act.loss_bytes(tokens, m.vocab_size, shape["tensor"], t.cross_entropy,
                                      t.ce_token_chunk, t.ce_vocab_chunk, k)
   out["optimizer_temps"] = act.optimizer_bytes(sb["params"], tokens, m.d_model, k)
   # inputs, targets, segment ids, positions, mask, entropy
   out["batch"] = 24 * tokens * t.microbatches
+  out["activations"] = max(out["activations"] - offloaded_activations(cfg, m, tokens, dtype_bytes),
+                           0)
   backward = sum(out[k] for k in BACKWARD)
   out["total"] = (out["params"] + out["opt_state"] + out["batch"]
                   + max(backward, out["optimizer_temps"]))
   return {k: int(out[k]) for k in MEMORY_KEYS}, sb["n_params"]
+
+
+def offloaded_activations(cfg, m: ModelConfig, tokens: int, act_bytes: int) -> int:
+  """train.offload=activations: the bytes of the layer inputs remat saves (one [tokens, D] per
+  layer), which wait in host memory for the backward pass instead of on the device."""
+  return m.n_layers * tokens * m.d_model * act_bytes if cfg.train.offload == "activations" else 0
+
+
+def host_bytes(cfg, shape: dict) -> int:
+  """Per-device bytes train.offload keeps in host memory. The optimizer state or params wait there
+  between steps, but XLA:TPU brings them in whole for the step (a device copy as large as them,
+  benchmarks/RESULTS.md "Host offload"), so they stay in the device's count."""
+  sb, t = state_bytes(cfg, shape), cfg.train
+  if t.offload == "activations":
+    m = ModelConfig.from_config(cfg.model)
+    data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
+    tokens = act.microbatch_tokens(t.batch_size, t.seq_len, data_ways, shape["context"],
+                                   t.microbatches)
+    return offloaded_activations(cfg, m, tokens, 2 if m.compute_dtype == "bfloat16" else 4)
+  return {"optimizer": sb["opt_state"], "params": sb["params"]}.get(t.offload, 0)
 
 
 def flops_per_step(cfg) -> float:
@@ -144,7 +172,7 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
   limit = (devices_lib.memory_bytes(device_kind, n_devices) if device_memory_bytes is None
            else device_memory_bytes)
   memory, n_params = memory_bytes(cfg, shape, device_kind)
-  flops = flops_per_step(cfg)
+  flops = flops_per_step(cfg) * pipeline.work(*pipeline.schedule(cfg, shape))  # bubble work
   peak, source = devices_lib.peak_flops(device_kind, cfg.model.compute_dtype)
   eff = devices_lib.EFFICIENCY[device_kind]
   if device_kind == "cpu":  # one host: its virtual devices share the cores the probe measured
@@ -157,7 +185,7 @@ def predict(cfg, n_devices: int | None = None, device_kind: str | None = None,
               n_params, memory, float(limit), memory["total"] <= limit, flops, peak, source, eff,
               compute, fast + slow, comm_time, compute + comm_time,
               cfg.train.batch_size * cfg.train.seq_len, moe=bool(cfg.model.n_experts),
-              remat=cfg.model.remat)
+              remat=cfg.model.remat, host_bytes=host_bytes(cfg, shape))
   if suggest and not plan.fits:
     plan.suggestions = suggestions(cfg, n_devices, device_kind, limit)
   return plan
@@ -205,8 +233,25 @@ def suggestions(cfg, n_devices: int, device_kind: str, limit: float) -> list[str
     if plan.fits:
       microbatches_done |= what.startswith("train.microbatches")
       out.append(f"{what}: {gib(plan.memory['total'])} per device, {plan.step_time_s:.3g} s/step")
-  return out or [
+  return out or _stage_suggestions(cfg, n_devices, device_kind, limit) or [
       "no single change fits: add devices (fsdp), or lower train.batch_size or train.seq_len"]
+
+
+def _stage_suggestions(cfg, n_devices: int, device_kind: str, limit: float) -> list[str]:
+  """Pipeline stages, tried when no single other change fits: the fewest that fit, of 2, 4, 8
+  (the mesh's -1 axis gives up the devices)."""
+  if cfg.mesh.stage != 1 or cfg.model.n_experts:
+    return []
+  for stages in (2, 4, 8):
+    try:
+      plan = predict(with_values(cfg, mesh__stage=stages), n_devices, device_kind, limit,
+                     suggest=False)
+    except config_lib.ConfigError:
+      continue  # the layers, the batch or the mesh do not divide
+    if plan.fits:
+      return [f"mesh.stage={stages}: {gib(plan.memory['total'])} per device, "
+              f"{plan.step_time_s:.3g} s/step (pipelined, bubble included)"]
+  return []
 
 
 def gib(n: float) -> str:
@@ -223,6 +268,8 @@ def format_table(p: Plan) -> str:
   rows += [(f"memory.{k}", gib(p.memory[k])) for k in MEMORY_KEYS[:-1]]
   rows += [("memory.total",
             f"{gib(p.memory['total'])} (state + batch + the {phase}, the larger phase)")]
+  if p.host_bytes:
+    rows += [("host memory", f"{gib(p.host_bytes)} (train.offload)")]
   rows += [("device memory", gib(p.device_memory_bytes)), ("fits", "yes" if p.fits else "NO"),
            ("flops/step", f"{p.flops_per_step:.3g}"),
            ("compute", f"{p.compute_time_s:.3g} s at {p.efficiency:.0%} of {p.peak_flops:.3g} "

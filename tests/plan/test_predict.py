@@ -145,3 +145,23 @@ def test_cli_resolves_auto_by_prediction(capsys):
   out = capsys.readouterr().out
   batch = int(out.split("train.batch_size=")[1].split()[0])
   assert batch % 8 == 0 and any(line.split() == ["fits", "yes"] for line in out.splitlines())
+
+
+def test_stages_are_suggested_when_nothing_else_fits():
+  """A deep narrow model at 32K tokens, one row a device: its remat'd layer inputs (64 of them a
+  row) are what does not fit; no single other change helps (remat full, chunked loss, blockwise
+  attention already; the batch does not split into microbatches). Two stages keep T + M = 5
+  microbatch inputs a stage instead: the planner suggests them, with the bubble's step time."""
+  c = tiny_config(model=dict(n_layers=64, d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128,
+                             d_ff=2048, max_seq_len=32768, remat="full", attention="blockwise",
+                             scan_layers=True, compute_dtype="bfloat16"),
+                  train=dict(batch_size=8, seq_len=32768, cross_entropy="chunked"),
+                  mesh=dict(data=1, fsdp=-1))
+  plain = predict(c, 8, "tpu-v5e")
+  staged = predict(estimate.with_values(c, mesh__stage=2), 8, "tpu-v5e")
+  assert staged.memory["activations"] < plain.memory["activations"]
+  assert staged.step_time_s > plain.step_time_s  # (S - 1) of M R + S - 1 iterations idle
+  limit = (plain.memory["total"] + staged.memory["total"]) / 2
+  plan = predict(c, 8, "tpu-v5e", device_memory_bytes=limit)
+  assert not plan.fits
+  assert len(plan.suggestions) == 1 and plan.suggestions[0].startswith("mesh.stage=2:")

@@ -98,10 +98,6 @@ def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
 PIPELINE_CASES = [
     ("llama_8b", "tpu-v5p:2x2x2", {"mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 16,
                                    "train.pipeline_microbatches": 8}),
-    # 4 stages x fsdp 4: XLA:TPU refuses 109.48 GiB of temporaries (fsdp 16 fits in 89.63 GiB):
-    # about three f32 copies of each stage's gradient (17 GiB each), summed over the iterations
-    pytest.param("llama_70b", "tpu-v5p:2x2x4", {"mesh.stage": 4, "mesh.fsdp": 4},
-                 marks=pytest.mark.xfail(strict=True, reason="the stage's gradient copies")),
     ("pipeline_tiny", "tpu-v5p:2x2x2", {}),
     ("pipeline_tiny", "tpu-v5p:2x2x1", {"mesh.stage": 2, "model.pipeline_repeats": 2,
                                         "train.pipeline_microbatches": 4}),
@@ -109,12 +105,13 @@ PIPELINE_CASES = [
 
 
 @pytest.mark.parametrize("name, target, overrides", PIPELINE_CASES,
-                         ids=["llama_8b", "llama_70b", "pipeline_tiny", "pipeline_tiny:circular"])
+                         ids=["llama_8b", "pipeline_tiny", "pipeline_tiny:circular"])
 def test_pipelined_config_compiles_for_tpu(target_devices, name, target, overrides):
   """Fits; activations cross `stage`; the traced step's matmuls are the model's times the
   schedule's T / (M R) (every stage computes in its bubble iterations too), with remat's recompute
-  and blockwise attention's full score blocks (the model counts causal half) on top. The planner
-  does not know stages yet: its ratio is printed, not held."""
+  and blockwise attention's full score blocks (the model counts causal half) on top. The
+  planner's pipeline terms (plan/pipeline.py) are printed, not held: 1.087, 0.899 and 0.840 of
+  the compiled totals (2026-12-03)."""
   from jaxtrain.model import pipeline
   target_devices(target)
   cfg = planner_grid.config(name, overrides)
@@ -130,7 +127,21 @@ def test_pipelined_config_compiles_for_tpu(target_devices, name, target, overrid
   bound = 1.45 * schedule * (1 + _attention_share(cfg))
   assert report.flops <= report.model_flops * bound, (report.flops / report.model_flops, bound)
   row = planner_grid.row(name, name, target, overrides, report)
-  print(f"planner (no stages yet): predicted / compiled = {row['ratio']:.3f}")
+  print(f"planner (pipelined): predicted / compiled = {row['ratio']:.3f}")
+
+
+def test_llama_70b_does_not_fit_16_chips_as_stages_yet(target_devices):
+  """As 4 stages x fsdp 4 XLA:TPU refuses llama_70b on 16 v5p chips (109.48 GiB of temporaries;
+  fsdp 16 fits in 89.63): about three f32 copies of each stage's 17.9 GiB gradient, summed over the
+  pipeline's iterations. The planner says it does not fit either (its 99.79 GiB is short of what
+  the compiler asks). When the pipeline's gradient copies shrink, this fails: make it a fit."""
+  target_devices("tpu-v5p:2x2x4")
+  overrides = {"mesh.stage": 4, "mesh.fsdp": 4}
+  report = compile_for(planner_grid.config("llama_70b", overrides), "tpu-v5p:2x2x4", "llama_70b")
+  print(report.table())
+  assert "RESOURCE_EXHAUSTED" in report.refusal and not report.fits
+  row = planner_grid.row("llama_70b", "llama_70b", "tpu-v5p:2x2x4", overrides, report)
+  assert row["predicted"]["total"] > 95 * GIB, row
 
 
 @pytest.mark.parametrize("name, target, overrides, axes", GPU_CASES, ids=[c[0] for c in GPU_CASES])
