@@ -22,7 +22,7 @@ from jaxtrain import builder, config as config_lib, metrics, parallel
 from jaxtrain.aot import targets as targets_lib
 from jaxtrain.kernels import platform
 from jaxtrain.model import ModelConfig, active_mlp_params
-from jaxtrain.parallel import hlo_bytes
+from jaxtrain.parallel import hlo_bytes, hlo_host
 
 MEMORY_KEYS = ("argument", "output", "temp", "alias", "total")
 GIB = 1024**3
@@ -46,7 +46,7 @@ class Compiled:
   kernels: tuple = ()  # the Pallas kernels the step calls (their FLOPs are not in `flops`)
   ragged_flops: float = 0.0  # per device: dropless MoE's ragged dots at their static size, at most
   # train.offload: bytes in the host's memory ("argument", "temp") and copied per step ("to_host",
-  # "to_device"; parallel.hlo_bytes.host_transfers), per device
+  # "to_device"; parallel.hlo_host.host_transfers), per device
   host: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -135,7 +135,7 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
       memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
       text = compiled.as_text()
       host = {k: int(getattr(stats, f"host_{k}_size_in_bytes")) for k in ("argument", "temp")}
-      host.update(hlo_bytes.host_transfers(text))
+      host.update(hlo_host.host_transfers(text))
     compile_s = time.perf_counter() - start
   rows = hlo_bytes.collectives(text, mesh) if text else []
   collectives = {f"{axes} {dtype}": b for (axes, dtype), b in hlo_bytes.by_axis(rows).items()}

@@ -1,6 +1,6 @@
 """Host offload (train.offload) compiled by XLA:TPU, deviceless (compiled, not executed): per-device
 memory from `memory_analysis()` with and without each mode, and the bytes copied between the chip
-and the host per step, counted in the compiled HLO (`parallel.hlo_bytes.host_transfers`).
+and the host per step, counted in the compiled HLO (`parallel.hlo_host.host_transfers`).
 
 The case: llama_1b's layers at 4 deep, data-parallel on a v5e 2x2 (16 GiB a chip; the state
 replicated, so the optimizer's moments are 3.77 of the 13.5 GiB a chip), one row of 2048 tokens a
