@@ -52,7 +52,11 @@ def state_shardings(task, tx, mesh, rules_name: str, offload: str = "none") -> T
   (train.offload) keeps on the host in pinned host memory."""
   boxed = jax.eval_shape(init_fn(task, tx, boxed=True), 0)
   shardings = parallel.logical_shardings(_logical_specs(boxed), mesh, rules_name)
-  return offload_lib.place(shardings, nn.unbox(boxed), offload)
+  # unboxed without a constraint: nn.unbox would constrain the shapes to the active mesh (an error
+  # outside jit, as when the loop rolls back inside parallel.activate)
+  shapes = jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned)
+                        else x, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  return offload_lib.place(shardings, shapes, offload)
 
 
 def _logical_specs(tree):
