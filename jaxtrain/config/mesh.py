@@ -94,18 +94,24 @@ def _validate_stage(cfg, shape):
                       f"(0 = one per stage), got {r} and {t.pipeline_microbatches}")
   if s == 1:
     return
-  refused = [what for what, on in ((f"model.n_experts={m.n_experts}", m.n_experts),
-                                   (f"mesh.context={shape['context']}", shape["context"] > 1),
+  refused = [what for what, on in ((f"mesh.context={shape['context']}", shape["context"] > 1),
                                    (f"train.task={t.task}", t.task in ("grpo", "ppo")),
                                    ("model.attention=splash", m.attention == "splash")) if on]
-  # experts: their shard_map inside the stages'; rollouts: decoding through stages; splash: its
-  # backward pass does not type its cotangents as varying over stages (auto takes blockwise or xla)
+  # rollouts: decoding through stages; splash: its backward pass does not type its cotangents as
+  # varying over stages (auto takes blockwise or xla)
   if refused:
     raise ConfigError(f"mesh.stage={s} with {refused[0]}: the pipeline does not run it yet "
                       "(set --config.mesh.stage=1)")
   if m.n_layers % (s * r):
     raise ConfigError(f"model.n_layers={m.n_layers} does not divide into mesh.stage={s} x "
                       f"model.pipeline_repeats={r} equal parts")
+  if m.n_experts:  # each stack of the decoder (transformer.layer_plan) is a pipeline of its own
+    steps = (m.n_layers - m.moe_first_dense) // max(m.moe_every, 1)
+    for what, n in ((f"model.moe_first_dense={m.moe_first_dense}", m.moe_first_dense),
+                    (f"{steps} MoE scan steps (model.moe_every={m.moe_every})", steps)):
+      if n % (s * r):
+        raise ConfigError(f"{what}: does not divide into mesh.stage={s} x "
+                          f"model.pipeline_repeats={r} equal parts")
   mb = t.pipeline_microbatches or s  # 0: one per stage
   if r > 1 and mb < s:
     raise ConfigError(f"circular repeats (model.pipeline_repeats={r}) need at least one microbatch "

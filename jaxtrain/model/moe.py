@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.kernels import platform
 from jaxtrain import collectives
-from jaxtrain.model import axes, fp8
+from jaxtrain.model import axes, fp8, pipeline
 from jaxtrain.model.layers import param
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe_layout import (capacity_slots, combine, sort_by_expert, take, tile_layout,
@@ -80,7 +80,7 @@ def route(logits_NE, bias_E, cfg):
 
 
 def _stat_sums(logits_NE, experts_Nk, probs_NE, valid_N, n_experts):
-  """Sums over this shard's valid tokens; psum them across shards, then `_finish_stats`."""
+  """Sums over this shard's valid tokens; psum them across shards, then `finish_stats`."""
   lead = tuple(range(valid_N.ndim))
   total = lambda t: jnp.sum(
       jnp.where(valid_N.reshape(valid_N.shape + (1,) * (t.ndim - valid_N.ndim)), t, 0), axis=lead)
@@ -91,7 +91,9 @@ def _stat_sums(logits_NE, experts_Nk, probs_NE, valid_N, n_experts):
               entropy=total(entropy_N), dropped=jnp.zeros((), jnp.float32))
 
 
-def _finish_stats(sums, cfg):
+def finish_stats(sums, cfg):
+  """The stats of MoeMlp from their sums over tokens (a pipeline adds up its microbatches' sums
+  first: the stats of the whole batch, not a mean of the microbatches')."""
   tokens = jnp.maximum(sums["tokens"], 1.0)
   load_E = sums["counts"] / (tokens * cfg.top_k)
   return dict(aux_loss=cfg.n_experts * jnp.sum(load_E * sums["prob_sum"] / tokens),
@@ -226,7 +228,12 @@ def _moe(x_BLD, valid_BL, router_DE, bias_E, weights, cfg, expert_axis, n_shards
 
 def _layout(batch):
   """(batch mesh axes to run manual over, expert mesh axis or None, expert shards), from the active
-  logical-axis rules and mesh; axes of size 1 and axes already manual are left out."""
+  logical-axis rules and mesh; axes of size 1 and axes already manual are left out. Inside a
+  pipeline stage GSPMD places the dispatch (no shard_map): a shard_map nested in the stage's loses
+  its place in the backward pass (its residuals' manual computation lowers outside the stage's,
+  which Shardy rejects; jax 0.10)."""
+  if pipeline.inside_stage():
+    return (), None, 1
   batch_axes = collectives.mesh_axes(axes.BATCH)
   if batch % math.prod(collectives.axis_size(a) for a in batch_axes):
     return (), None, 1
@@ -249,9 +256,10 @@ class MoeMlp(nn.Module):
   assignments dropped), entropy (mean entropy of the normalized routing distribution). Padding
   tokens get zero routed output and are not dispatched or counted. Capacity groups and priority: see
   `capacity_slots`. Reads the `moe_state` collection (expert_bias) when cfg.bias_update_rate > 0;
-  never writes it.
+  never writes it. `finish=False`: the stats' sums over tokens instead (finish_stats makes them).
   """
   cfg: "ModelConfig"  # noqa: F821 (jaxtrain.model.transformer.ModelConfig)
+  finish: bool = True
 
   @nn.compact
   def __call__(self, x_BLD, valid_BL=None):
@@ -285,4 +293,4 @@ class MoeMlp(nn.Module):
     if c.n_shared_experts:
       shared = dataclasses.replace(c, d_ff=c.n_shared_experts * f)
       y_BLD = y_BLD + Mlp(shared, name="shared")(x_BLD).astype(jnp.float32)
-    return y_BLD.astype(c.compute_dtype), _finish_stats(sums, c)
+    return y_BLD.astype(c.compute_dtype), finish_stats(sums, c) if self.finish else sums

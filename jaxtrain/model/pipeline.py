@@ -9,7 +9,9 @@ iteration t stage s runs item t - s, then sends its output to stage s + 1 (the l
 back to stage 0): T = M R + S - 1 iterations, of which each stage idles S - 1 (the bubble,
 (S - 1) / T). Stage 0 keeps, in a buffer of M microbatches, the inputs and what comes back for the
 next repeat (M >= S when R > 1, so it is back in time); the last stage writes the final repeat's
-outputs into its own.
+outputs into its own. What a stage returns beside its output (the MoE layers' routing statistics as
+sums over tokens) is added up over the microbatches in the loop's carry, by repeat, and comes out
+per layer: the sums of the whole batch.
 
 The stored parameters keep the unpipelined tree (a checkpoint moves between the two), sharded
 contiguously over the stages: stage s holds blocks s R .. s R + R - 1 of Z/(R S) layers. With R = 1
@@ -125,10 +127,14 @@ def bubble(stages: int, repeats: int, microbatches: int) -> float:
 
 def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches: int,
              remat: bool):
-  """The layer stack `params` (leaves [Z, ...]) applied to `x_BLD`, pipelined over the stage axis.
+  """The layer stack `params` (leaves [Z, ...]) applied to `x_BLD`, pipelined over the stage axis:
+  (y [B, L, D], the per-layer sums [Z, ...] of what the stages return beside their output).
 
-  `stage_fn(params, x_bLD, rows) -> y_bLD` runs Z/(R S) consecutive layers (leaves [Z/(R S), ...]);
-  `rows` are per-row [B, L] inputs (positions, segment ids), cut into microbatches alongside x."""
+  `stage_fn(params, x_bLD, rows) -> (y_bLD, sums)` runs Z/(R S) consecutive layers (leaves
+  [Z/(R S), ...]); `sums`, a pytree of per-layer leaves [Z/(R S), ...] (None: nothing), are added up
+  over the microbatches (MoE statistics as sums over tokens: those of the whole batch). `params` may
+  hold several collections (the MoE expert bias beside the weights), every leaf [Z, ...]. `rows` are
+  per-row [B, L] inputs (positions, segment ids), cut into microbatches alongside x."""
   axis = stage_axis()
   s_count, m_count = collectives.axis_size(axis), microbatches
 
@@ -152,26 +158,34 @@ def pipeline(stage_fn, params, x_BLD, rows: dict, *, repeats: int, microbatches:
         lambda p: p.reshape(repeats, p.shape[0] // repeats, *p.shape[1:]), params)
     if rounds:
       params = jax.tree.map(lambda p: _to_circular(p, axis, s, rounds), params)
+    sums_shape = jax.eval_shape(stage, params, collectives.vary(x_MbLD[0], (axis,)), rows, 0)[1]
 
     def iteration(carry, t):
-      cur_bLD, io_MbLD = carry
+      cur_bLD, io_MbLD, sums = carry
       i = items[t, s]  # the item this stage runs, -1: none (its work is computed and dropped)
       back = t - s_count  # the item the last stage sent to stage 0 at the end of iteration t - 1
       keep = (s == 0) & (back >= 0) & (back // m_count < repeats - 1)
       io_MbLD = io_MbLD.at[back % m_count].set(
           jnp.where(keep, cur_bLD, io_MbLD[back % m_count]))
       cur_bLD = jnp.where(s == 0, io_MbLD[t % m_count], cur_bLD)
-      y_bLD = stage(params, cur_bLD, rows, i)
+      y_bLD, item_sums = stage(params, cur_bLD, rows, i)
+      r = jnp.clip(i // m_count, 0, repeats - 1)
+      sums = jax.tree.map(lambda acc, new: acc.at[r].add(jnp.where(i >= 0, new, 0)), sums,
+                          item_sums)
       done = (s == s_count - 1) & (i >= 0) & (i // m_count == repeats - 1)
       io_MbLD = io_MbLD.at[i % m_count].set(jnp.where(done, y_bLD, io_MbLD[i % m_count]))
-      return (collectives.ppermute(y_bLD, axis), io_MbLD), None
+      return (collectives.ppermute(y_bLD, axis), io_MbLD, sums), None
 
-    carry = collectives.vary((jnp.zeros_like(x_MbLD[0]), x_MbLD), (axis,))
+    sums = jax.tree.map(lambda a: jnp.zeros((repeats, *a.shape), a.dtype), sums_shape)
+    carry = collectives.vary((jnp.zeros_like(x_MbLD[0]), x_MbLD, sums), (axis,))
     steps = jnp.arange(iterations(s_count, repeats, m_count))
-    _, io_MbLD = jax.lax.scan(iteration, carry, steps)[0]
-    return collectives.psum(jnp.where(s == s_count - 1, io_MbLD, 0), (axis,))
+    _, io_MbLD, sums = jax.lax.scan(iteration, carry, steps)[0]
+    out = collectives.psum(jnp.where(s == s_count - 1, io_MbLD, 0), (axis,))
+    return out, jax.tree.map(lambda a: a[None], sums)  # [1 (this stage), R, Z/(R S), ...]
 
   specs = jax.tree.map(lambda _: P(axis), params)
-  out_MbLD = collectives.shard_map(local, (axis,), in_specs=(specs, P(), P()),
-                                   out_specs=P())(params, x_MbLD, rows)
-  return join_microbatches(out_MbLD)
+  out_MbLD, sums = collectives.shard_map(local, (axis,), in_specs=(specs, P(), P()),
+                                         out_specs=(P(), P(axis)))(params, x_MbLD, rows)
+  # [S, R, Z/(R S), ...] -> [Z, ...]: stage s runs layers r Z/R + s Z/(R S) + j in repeat r
+  sums = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[3:]), sums)
+  return join_microbatches(out_MbLD), sums

@@ -13,7 +13,7 @@ from jaxtrain import collectives
 from jaxtrain.collectives import constrain, logical_spec
 from jaxtrain.config import ModelConfig
 from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
-from jaxtrain.model import axes, pipeline
+from jaxtrain.model import axes, moe as moe_lib, pipeline
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.layers import RMSNorm, param
 from jaxtrain.model.mlp import Mlp
@@ -63,10 +63,11 @@ class AddRMSNorm(nn.Module):
 
 class Block(nn.Module):
   """One pre-norm decoder layer (dense or MoE feed-forward); the scan body: returns
-  (carry, MoE stats)."""
+  (carry, MoE stats). `stat_sums`: the MoE stats as sums over tokens (MoeMlp's finish=False)."""
   cfg: ModelConfig
   decode: bool = False
   moe: bool = False
+  stat_sums: bool = False
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
@@ -82,7 +83,7 @@ class Block(nn.Module):
                                                                                           x_BLD)
     stats = None
     if self.moe:
-      y_BLD, stats = MoeMlp(c, name="moe")(h_BLD, valid_BL)
+      y_BLD, stats = MoeMlp(c, not self.stat_sums, name="moe")(h_BLD, valid_BL)
     else:
       y_BLD = Mlp(c, name="mlp")(h_BLD)
     return constrain(x_BLD + y_BLD, (axes.BATCH, axes.SEQ, axes.EMBED)), stats
@@ -92,12 +93,14 @@ class Group(nn.Module):
   """`moe_every` consecutive layers, the last with an MoE feed-forward (one scan step)."""
   cfg: ModelConfig
   decode: bool = False
+  stat_sums: bool = False
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
     k = self.cfg.moe_every
     for i in range(k):
-      x_BLD, stats = Block(self.cfg, self.decode, moe=i == k - 1, name=f"block_{i}")(
+      x_BLD, stats = Block(self.cfg, self.decode, moe=i == k - 1, stat_sums=self.stat_sums,
+                           name=f"block_{i}")(
           x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL)
     return x_BLD, stats
 
@@ -173,8 +176,8 @@ class Transformer(nn.Module):
                "valid": valid_BL}
     pipelined = not self.decode and not self.is_initializing() and pipeline.stage_axis()
     for name, kind, length in layer_plan(c):  # the cache makes its own indices when decoding
-      if pipelined:  # a dense stack (config refuses experts with stages)
-        x_BLD, stats = self._pipeline(name, length, x_BLD, rows_BL), None
+      if pipelined:
+        x_BLD, stats = self._pipeline(name, kind, length, x_BLD, rows_BL)
       else:
         x_BLD, stats = stacked_layers(c, self.decode, name, kind, length,
                                       self.offload_activations and not self.decode)(
@@ -197,22 +200,27 @@ class Transformer(nn.Module):
                               preferred_element_type=jnp.float32)
     return constrain(logits_BLV, (axes.BATCH, axes.SEQ, axes.VOCAB))
 
-  def _pipeline(self, name: str, length: int, x_BLD, rows_BL: dict):
-    """The stack `name` of `length` layers as a pipeline over the stage axis."""
+  def _pipeline(self, name: str, kind: str, length: int, x_BLD, rows_BL: dict):
+    """The stack `name` of `length` layers as a pipeline over the stage axis: (y, its per-layer MoE
+    stats or None), the stats of the whole batch (the microbatches' sums, finished after)."""
     c = self.cfg
     stages = collectives.axis_size(pipeline.stage_axis())
-    layers = stacked_layers(c, False, name, "dense", length // (stages * c.pipeline_repeats),
-                            parent=None)
+    moe_args = {} if kind == "dense" else {"stat_sums": True}
+    layers = stacked_layers(c, False, name, kind, length // (stages * c.pipeline_repeats),
+                            parent=None, **moe_args)
+    variables = {k: nn.unbox(v[name]) for k, v in self.variables.items()
+                 if k in ("params", "moe_state") and name in v}
 
-    def stage_fn(params, x_bLD, rows_bL):
-      return layers.apply({"params": params}, x_bLD, rows_bL["positions"],
-                          rows_bL.get("segment_ids"), rows_bL.get("indices"), rows_bL["valid"])[0]
+    def stage_fn(variables, x_bLD, rows_bL):
+      return layers.apply(variables, x_bLD, rows_bL["positions"], rows_bL.get("segment_ids"),
+                          rows_bL.get("indices"), rows_bL["valid"])
 
-    return pipeline.pipeline(stage_fn, nn.unbox(self.variables["params"][name]), x_BLD,
-                             {k: v for k, v in rows_BL.items() if v is not None},
-                             repeats=c.pipeline_repeats,
-                             microbatches=self.pipeline_microbatches or stages,
-                             remat=c.remat != "none")
+    y_BLD, sums = pipeline.pipeline(stage_fn, variables, x_BLD,
+                                    {k: v for k, v in rows_BL.items() if v is not None},
+                                    repeats=c.pipeline_repeats,
+                                    microbatches=self.pipeline_microbatches or stages,
+                                    remat=c.remat != "none")
+    return y_BLD, None if sums is None else jax.vmap(lambda t: moe_lib.finish_stats(t, c))(sums)
 
 
 def _mlp_params(c: ModelConfig, active: bool) -> int:

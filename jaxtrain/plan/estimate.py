@@ -239,7 +239,8 @@ def suggestions(cfg, n_devices: int, device_kind: str, limit: float) -> list[str
 
 def _stage_suggestions(cfg, n_devices: int, device_kind: str, limit: float) -> list[str]:
   """Pipeline stages, tried when no single other change fits: the fewest that fit, of 2, 4, 8
-  (the mesh's -1 axis gives up the devices)."""
+  (the mesh's -1 axis gives up the devices). Not for MoE: plan/pipeline.py was checked against
+  compiles of dense stacks only."""
   if cfg.mesh.stage != 1 or cfg.model.n_experts:
     return []
   for stages in (2, 4, 8):

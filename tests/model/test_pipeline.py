@@ -1,6 +1,7 @@
 """Pipeline parallelism (jaxtrain/model/pipeline.py): the pipelined decoder's loss and gradients
-equal the same model's without stages; the schedule runs M R + S - 1 iterations; bad combinations
-are one line; pipeline_tiny trains like its twin; checkpoints move between stages and none."""
+equal the same model's without stages, dense and MoE; the schedule runs M R + S - 1 iterations; bad
+combinations are one line; pipeline_tiny trains like its twin; checkpoints move between stages and
+none."""
 
 import contextlib
 import functools
@@ -17,14 +18,17 @@ import pytest
 
 import jaxtrain
 from jaxtrain import config as config_lib, config_files, metrics, parallel
+from jaxtrain.core import lm
 from jaxtrain.model import ModelConfig, Transformer, pipeline
 from tests.fixtures import ROOT, tiny_config
 
 
-def setup(stage=1, repeats=1, microbatches=0, n_layers=4, remat="none", scan=False, **mesh):
-  """(model, mesh, rules) of a tiny decoder on 8 devices; data fills what the mesh leaves."""
+def setup(stage=1, repeats=1, microbatches=0, n_layers=4, remat="none", scan=False, model=None,
+          **mesh):
+  """(model, mesh, rules) of a tiny decoder on 8 devices; data fills what the mesh leaves.
+  `model`: more model keys."""
   c = tiny_config(model=dict(n_layers=n_layers, pipeline_repeats=repeats, remat=remat,
-                             scan_layers=scan), mesh=dict(stage=stage, **mesh))
+                             scan_layers=scan, **(model or {})), mesh=dict(stage=stage, **mesh))
   model = Transformer(ModelConfig.from_config(c.model), pipeline_microbatches=microbatches)
   return model, parallel.make_mesh(c.mesh), c.mesh.rules
 
@@ -81,6 +85,64 @@ def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(case):
   assert jax.tree.structure(g1) == jax.tree.structure(g2)
   # float32 reassociation only: the microbatches' gradients are summed in another order
   jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7), g1, g2)
+
+
+MOE = dict(n_experts=4, top_k=2, d_ff_expert=32, dispatch="dropless", bias_update_rate=0.01)
+
+
+def moe_loss_and_grads(model, mesh, rules, variables=None):
+  """A loss with the MoE auxiliary and z losses, its gradient and the per-layer MoE statistics as
+  the train step reads them (lm.moe_summary), as numpy. The expert bias (moe_state) is random, so
+  that a stage which read another's would route differently."""
+  tokens, pos, seg = batch()
+  with parallel.activate(mesh, rules):
+    if variables is None:
+      variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))
+      variables = {"params": variables["params"], "moe_state": jax.tree.map(
+          lambda b: jax.random.normal(jax.random.key(2), b.shape) * 0.1, variables["moe_state"])}
+
+    def loss(p):
+      logits, aux = model.apply({**variables, "params": p}, tokens, pos, seg, mutable=["moe_stats"])
+      stats = lm.moe_summary(aux["moe_stats"])
+      ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1))
+      return ce + 0.1 * stats["aux_loss"] + 0.01 * stats["z_loss"], stats
+
+    (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+  as_np = lambda t: jax.tree.map(np.asarray, t)
+  return float(value), as_np(grads), as_np(stats), as_np(variables)
+
+
+MOE_CASES = {  # name: setup's arguments; every batch of 8 rows divides into the data shards
+    "4 stages": dict(stage=4),
+    "2 stages, experts over expert 2": dict(stage=2, expert=2, rules="fsdp_ep"),
+    "2 stages": dict(stage=2),
+    "2 stages x 2 repeats": dict(stage=2, repeats=2),
+    "2 stages, groups of 2 layers, the last MoE": dict(stage=2, model=dict(moe_every=2)),
+}
+SLOW = pytest.mark.slow  # 20-60 s each on 2 cores; the first two run in the default suite
+
+
+@functools.cache
+def unpipelined_moe(moe_every: int):
+  return moe_loss_and_grads(*setup(model={**MOE, "moe_every": moe_every}))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=SLOW if i > 1 else ())
+                                  for i, c in enumerate(MOE_CASES)])
+def test_pipelined_moe_equals_the_unpipelined_model(case):
+  """MoE layers in stages: the loss with its auxiliary terms, the gradients and every layer's
+  routing statistics (the stages' microbatch sums, finished after) equal the model's without
+  stages, the expert bias of each layer read by the stage that runs it."""
+  args = dict(MOE_CASES[case])
+  extra = args.pop("model", {})
+  l1, g1, s1, variables = unpipelined_moe(extra.get("moe_every", 1))
+  model, mesh, rules = setup(model={**MOE, **extra}, **args)
+  l2, g2, s2, _ = moe_loss_and_grads(model, mesh, rules, variables)
+  np.testing.assert_allclose(l2, l1, rtol=1e-6)
+  assert jax.tree.structure(g1) == jax.tree.structure(g2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7), g1, g2)
+  assert s1.keys() == s2.keys() and s1["load"].shape == (4 // extra.get("moe_every", 1), 4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7), s1, s2)
 
 
 def trip_counts(model, mesh, rules) -> list[int]:
@@ -190,7 +252,12 @@ BAD = {  # overrides -> a word the one-line message names
     "batch does not divide into pipeline microbatches": (
         dict(mesh=dict(stage=2), model=dict(n_layers=4), train=dict(pipeline_microbatches=3)),
         "3 pipeline microbatches"),
-    "experts in stages": (dict(mesh=dict(stage=2), model=dict(n_experts=4)), "model.n_experts"),
+    "MoE stack that does not divide into stages": (
+        dict(mesh=dict(stage=2), model=dict(n_layers=4, n_experts=4, moe_first_dense=1)),
+        "model.moe_first_dense=1"),
+    "MoE groups that do not divide into stages": (
+        dict(mesh=dict(stage=4), model=dict(n_layers=4, n_experts=4, moe_every=2)),
+        "2 MoE scan steps"),
     "context with stages": (dict(mesh=dict(stage=2, context=2)), "mesh.context=2"),
     "explicit gradient reduction": (dict(mesh=dict(stage=2), optim=dict(reduce_axis="data")),
                                     "explicit reduction over data"),
