@@ -6,7 +6,9 @@ Laid out for 16 TPU v5p chips (`--target=tpu-v5p:2x2x4`) as fsdp 16, one 8192-to
 XLA:TPU fits it in 89.63 of 95 GiB (compiled, not executed). As 4 pipeline stages x fsdp 4
 (`--config.mesh.stage=4`, 4 microbatches) it does not fit: 109.48 GiB of temporaries, most of them
 f32 copies of each stage's gradient, which the pipeline accumulates over its iterations
-(tests/targets/test_configs.py, benchmarks/RESULTS.md)."""
+(tests/targets/test_configs.py, benchmarks/RESULTS.md). With twice the batch
+(`--config.train.batch_size=32`) fsdp 16 is refused (99.44 GiB) and fits with
+`--config.train.offload=activations` (87.02 GiB; the 80 layer inputs, 20 GiB a chip, on the host)."""
 
 from jaxtrain.config import default_config
 
