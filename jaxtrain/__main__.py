@@ -1,4 +1,4 @@
-"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm,plan,compile} ...
+"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm,plan,compile,eval} ...
 Parses flags, loads the config, calls the library.
 
 Bad flags and bad values end with one line on stderr and exit status 2."""
@@ -8,6 +8,7 @@ import os
 import sys
 
 from jaxtrain import config as config_lib, config_files, errors
+from jaxtrain.eval import cli as eval_cli
 from jaxtrain.plan import devices as plan_devices
 
 
@@ -120,6 +121,7 @@ def parse(argv):
   compile_.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   compile_.add_argument("--target", required=True, metavar="KIND:SHAPE",
                         help="tpu-v5p:4x4x4, tpu-v5e:16x16, tpu-v6e:8x8, h100:8, h200:8")
+  eval_cli.add_parser(sub)
   return parser.parse_args(rest), overrides
 
 
@@ -295,6 +297,8 @@ def main(argv=None) -> int:
     elif overrides:
       raise config_lib.ConfigError(
           f"--config.* overrides apply to {', '.join(CONFIG_COMMANDS)} only")
+    if args.command == "eval":
+      return eval_cli.run(args)
     if args.command == "prepare":
       return _prepare(cfg, args.workdir)
     if args.command == "comm":

@@ -1,0 +1,176 @@
+"""Log-likelihood of continuations given contexts, the scoring core of evaluation
+(lm-evaluation-harness's `loglikelihood` and `loglikelihood_rolling`).
+
+Requests are packed into fixed [rows, seq_len] batches with segment ids and per-document positions,
+as training packs documents (Levanter's eval_harness): one compiled program for every batch, and
+attention never crosses requests. A request whose context + continuation does not fit is cut from
+the left of its context (counted in `Score.truncated`), as the harness does.
+"""
+
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import config as config_lib, parallel
+from jaxtrain.model import ModelConfig, Transformer
+
+
+class Request(NamedTuple):
+  """Token ids: `context` (at least one, e.g. BOS) and the `continuation` it is scored on."""
+  context: np.ndarray
+  continuation: np.ndarray
+
+
+class Score(NamedTuple):
+  """Sum of the continuation's log-probs, whether every continuation token is the argmax, and how
+  many context tokens were cut from the left to fit the model's length."""
+  logprob: float
+  is_greedy: bool
+  truncated: int
+
+
+def fit(request: Request, seq_len: int) -> tuple[np.ndarray, int]:
+  """(context + continuation, cut from the left so that its inputs fit seq_len; tokens cut)."""
+  n_ctx, n_cont = len(request.context), len(request.continuation)
+  if n_ctx < 1 or n_cont < 1:
+    raise config_lib.ConfigError(
+        f"a request needs a context and a continuation of at least one token each, got {n_ctx} "
+        f"and {n_cont}")
+  if n_cont > seq_len:
+    raise config_lib.ConfigError(
+        f"a continuation of {n_cont} tokens is longer than the model's length {seq_len}")
+  cut = max(0, n_ctx + n_cont - 1 - seq_len)
+  return np.concatenate([request.context[cut:], request.continuation]).astype(np.int32), cut
+
+
+class Span(NamedTuple):
+  """Where one request lies in a batch: its row, first input slot, and continuation length."""
+  request: int
+  row: int
+  start: int
+  end: int
+  n_cont: int
+
+
+def pack(requests: list[Request], rows: int, seq_len: int):
+  """Yields (batch of [rows, seq_len] numpy arrays, spans): the requests, longest first, each in the
+  first row of the open batch with room (first-fit decreasing); segment ids 1, 2, ... within a row
+  (0: padding), positions restarting at 0 for each request."""
+  fitted = [fit(r, seq_len)[0] for r in requests]
+  order = sorted(range(len(requests)), key=lambda i: -len(fitted[i]))
+  while order:
+    inputs_BL, targets_BL, segment_ids_BL, positions_BL = (
+        np.zeros((rows, seq_len), np.int32) for _ in range(4))
+    free, docs, spans, rest = [0] * rows, [0] * rows, [], []
+    smallest = len(fitted[order[-1]]) - 1
+    for k, i in enumerate(order):
+      if seq_len - min(free) < smallest:  # no row has room for any request left
+        rest.extend(order[k:])
+        break
+      full, n = fitted[i], len(fitted[i]) - 1  # n inputs, each predicting the next token
+      row = next((b for b in range(rows) if free[b] + n <= seq_len), None)
+      if row is None:
+        rest.append(i)
+        continue
+      start = free[row]
+      inputs_BL[row, start:start + n], targets_BL[row, start:start + n] = full[:-1], full[1:]
+      docs[row] += 1
+      segment_ids_BL[row, start:start + n] = docs[row]
+      positions_BL[row, start:start + n] = np.arange(n)
+      spans.append(Span(i, row, start, start + n, len(requests[i].continuation)))
+      free[row] += n
+    yield {"inputs": inputs_BL, "targets": targets_BL, "segment_ids": segment_ids_BL,
+           "positions": positions_BL}, spans
+    order = rest
+
+
+def token_scores(model: Transformer, params, extra, batch):
+  """Per input slot: the log-prob of the next token and whether it is the argmax ([B, L] each)."""
+  logits_BLV = model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
+                           batch["segment_ids"]).astype(jnp.float32)
+  targets_BL = batch["targets"]
+  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+  logprob_BL = target_logit_BL - jax.nn.logsumexp(logits_BLV, axis=-1)
+  return logprob_BL, jnp.argmax(logits_BLV, axis=-1) == targets_BL
+
+
+def rolling_requests(ids: np.ndarray, prefix: int, seq_len: int) -> list[Request]:
+  """A text's ids as disjoint windows of seq_len predicted tokens: the first conditioned on `prefix`
+  (BOS), each next one on the last token of the window before (lm-evaluation-harness's
+  get_rolling_token_windows with context_len=1). Every token is predicted exactly once."""
+  ids = np.asarray(ids, np.int32)
+  windows = []
+  for start in range(0, len(ids), seq_len):
+    context = np.array([prefix], np.int32) if start == 0 else ids[start - 1:start]
+    windows.append(Request(context, ids[start:start + seq_len]))
+  return windows
+
+
+class Scorer:
+  """Scores requests with one model: `loglikelihood(requests) -> [Score]`, batches of `rows` rows of
+  `seq_len` (default the model's max_seq_len) compiled once. With a `mesh`, rows lie over its data
+  axes and the params as `mesh_rules` (config.RULES) shards them; without one, on one device."""
+
+  def __init__(self, model_cfg: ModelConfig, params, extra=None, rows: int = 8,
+               seq_len: int | None = None, mesh=None, mesh_rules: str = "fsdp"):
+    self.model = Transformer(model_cfg)
+    self.seq_len = seq_len or model_cfg.max_seq_len
+    if not 1 <= self.seq_len <= model_cfg.max_seq_len:
+      raise config_lib.ConfigError(
+          f"eval seq_len={self.seq_len} must be in [1, model.max_seq_len={model_cfg.max_seq_len}]")
+    self.mesh, self.mesh_rules = mesh, mesh_rules
+    extra = extra or {}
+    if mesh is None:
+      self.rows = rows
+      self.params, self.extra = jax.device_put((params, extra), jax.local_devices()[0])
+    else:
+      shards = int(np.prod([mesh.shape[a] for a in parallel.DATA_AXES]))
+      self.rows = -(-rows // shards) * shards
+      self.params = jax.device_put(params, self._param_shardings(mesh, mesh_rules))
+      self.extra = jax.device_put(extra, NamedSharding(mesh, P()))
+    self._step = jax.jit(functools.partial(token_scores, self.model))
+
+  def _param_shardings(self, mesh, mesh_rules: str):
+    """The params' shardings from the model's logical axis names."""
+    boxed = jax.eval_shape(self.model.init, jax.random.key(0),
+                           jnp.zeros((1, self.seq_len), jnp.int32))
+    return parallel.logical_shardings(nn.get_partition_spec(boxed)["params"], mesh, mesh_rules)
+
+  def _run(self, batch):
+    if self.mesh is None:
+      return self._step(self.params, self.extra, batch)
+    with parallel.activate(self.mesh, self.mesh_rules):
+      return self._step(self.params, self.extra,
+                        jax.device_put(batch, parallel.batch_sharding(self.mesh)))
+
+  def loglikelihood(self, requests: list[Request]) -> list[Score]:
+    """A Score per request, in order."""
+    cuts = [fit(r, self.seq_len)[1] for r in requests]
+    top = max((int(max(r.context.max(), r.continuation.max())) for r in requests), default=0)
+    if top >= self.model.cfg.vocab_size:
+      raise config_lib.ConfigError(f"token id {top} is outside the model's vocabulary "
+                                   f"(vocab_size={self.model.cfg.vocab_size}): another tokenizer?")
+    out = [None] * len(requests)
+    pending = None  # dispatch batch n, then read batch n-1
+    for batch, spans in [*pack(requests, self.rows, self.seq_len), (None, None)]:
+      running = (self._run(batch), spans) if batch is not None else None
+      if pending is not None:
+        (logprob_BL, greedy_BL), done = jax.device_get(pending[0]), pending[1]
+        for s in done:
+          sl = slice(s.end - s.n_cont, s.end)
+          out[s.request] = Score(float(np.sum(logprob_BL[s.row, sl], dtype=np.float64)),
+                                 bool(np.all(greedy_BL[s.row, sl])), cuts[s.request])
+      pending = running
+    return out
+
+  def rolling_loglikelihood(self, texts_ids: list[np.ndarray], prefix: int) -> list[float]:
+    """The summed log-prob of every token of each text (ids without BOS), in disjoint windows of
+    seq_len after `prefix` (rolling_requests)."""
+    windows = [rolling_requests(ids, prefix, self.seq_len) for ids in texts_ids]
+    scores = iter(self.loglikelihood([w for text in windows for w in text]))
+    return [sum(next(scores).logprob for _ in text) for text in windows]

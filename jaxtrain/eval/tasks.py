@@ -1,0 +1,211 @@
+"""Evaluation tasks from local JSONL files, scored as lm-evaluation-harness scores them.
+
+A task file holds one JSON object a line, optionally after a header line {"task": {...}} with
+`kind`, `target_delimiter` (default " "), `fewshot_delimiter` (default "\\n\\n") and `fewshot_file`
+(a JSONL of the same kind, relative to the task file). Without `kind`, the first record decides:
+  multiple_choice  {"context" (or "query"): str, "choices": [str, ...], "gold": int}: `acc` is the
+                   argmax of the choices' log-likelihoods, `acc_norm` the argmax of log-likelihood
+                   divided by the choice's length in characters; the continuation is
+                   target_delimiter + choice.
+  perplexity       {"text": str}: word_perplexity, byte_perplexity, bits_per_byte of the rolling
+                   log-likelihood (score.rolling_requests).
+Contexts start with the tokenizer's BOS (as jaxtrain trains documents; lm-eval's HF backend with
+add_bos_token=True), and a context's trailing whitespace moves to the continuation (lm-eval's
+_encode_pair). A bad line is one ConfigError line naming the file and line.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+
+import numpy as np
+
+from jaxtrain import config as config_lib
+from jaxtrain.eval import score
+
+KINDS = ("multiple_choice", "perplexity")
+HEADER_KEYS = ("kind", "target_delimiter", "fewshot_delimiter", "fewshot_file")
+
+
+@dataclasses.dataclass
+class Task:
+  """A task file read and checked: its docs (and few-shot pool) as dicts."""
+  name: str
+  path: str
+  kind: str
+  docs: list
+  fewshot_docs: list | None = None
+  target_delimiter: str = " "
+  fewshot_delimiter: str = "\n\n"
+
+
+def _error(path: str, line: int, what: str) -> config_lib.ConfigError:
+  return config_lib.ConfigError(f"{path}:{line}: {' '.join(what.split())}")
+
+
+def _read_jsonl(path: str) -> list[tuple[int, object]]:
+  """(line number, parsed value) of each non-blank line."""
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"{path}: no such task file")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          out.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+          raise _error(path, n, f"not JSON ({e.msg})") from None
+  return out
+
+
+def _check_doc(path: str, n: int, doc, kind: str) -> dict:
+  """The doc, its fields checked for `kind`; multiple-choice contexts under "context"."""
+  if not isinstance(doc, dict):
+    raise _error(path, n, f"expected a JSON object, got {type(doc).__name__}")
+  if kind == "perplexity":
+    if not isinstance(doc.get("text"), str) or not doc["text"]:
+      raise _error(path, n, "perplexity: needs a non-empty string field 'text'")
+    return doc
+  context = doc.get("context", doc.get("query"))
+  if not isinstance(context, str):
+    raise _error(path, n, "multiple_choice: needs a string field 'context' (or 'query')")
+  choices = doc.get("choices")
+  if not isinstance(choices, list) or not choices:
+    raise _error(path, n, "multiple_choice: 'choices' must be a non-empty list of strings")
+  if not all(isinstance(c, str) and c for c in choices):
+    raise _error(path, n, "multiple_choice: every choice must be a non-empty string")
+  gold = doc.get("gold")
+  if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+    raise _error(path, n, f"multiple_choice: 'gold' must be an integer in [0, {len(choices)}), "
+                          f"got {gold!r}")
+  return {**doc, "context": context}
+
+
+def _kind_of(path: str, n: int, doc) -> str:
+  if isinstance(doc, dict) and "choices" in doc:
+    return "multiple_choice"
+  if isinstance(doc, dict) and "text" in doc:
+    return "perplexity"
+  raise _error(path, n, f"cannot tell the task kind (a record with 'choices' or 'text', or a "
+                        f"header {{\"task\": {{\"kind\": ...}}}} with kind one of {KINDS})")
+
+
+def _read_docs(path: str, kind: str | None) -> tuple[dict, str, list]:
+  """(header, kind, checked docs) of a task file."""
+  lines = _read_jsonl(path)
+  header = {}
+  if lines and isinstance(lines[0][1], dict) and set(lines[0][1]) == {"task"}:
+    n, first = lines.pop(0)
+    header = first["task"]
+    if not isinstance(header, dict) or set(header) - set(HEADER_KEYS):
+      raise _error(path, n, f"the header's 'task' must be an object with keys among {HEADER_KEYS}")
+    if not all(isinstance(v, str) for v in header.values()):
+      raise _error(path, n, "the header's values must be strings")
+    kind = header.get("kind", kind)
+    if kind is not None and kind not in KINDS:
+      raise _error(path, n, f"task kind {kind!r} is not one of {KINDS}")
+  if not lines:
+    raise config_lib.ConfigError(f"{path}: no records")
+  kind = kind or _kind_of(path, *lines[0])
+  return header, kind, [_check_doc(path, n, doc, kind) for n, doc in lines]
+
+
+def load_task(path: str) -> Task:
+  """A task file (and its few-shot file) read and checked; ConfigError (one line) otherwise."""
+  header, kind, docs = _read_docs(path, None)
+  fewshot = None
+  if "fewshot_file" in header:
+    fewshot_path = os.path.join(os.path.dirname(path), header["fewshot_file"])
+    fewshot = _read_docs(fewshot_path, kind)[2]
+  name = os.path.splitext(os.path.basename(path))[0]
+  return Task(name, path, kind, docs, fewshot, header.get("target_delimiter", " "),
+              header.get("fewshot_delimiter", "\n\n"))
+
+
+def fewshot_contexts(task: Task, num_fewshot: int, seed: int) -> list[str]:
+  """Each doc's context after `num_fewshot` solved examples (text, target delimiter, gold choice),
+  drawn from the few-shot file or else the task's other docs by one random.Random(seed) in doc
+  order (lm-eval's sampler: n + 1 drawn, the doc itself dropped), joined by fewshot_delimiter."""
+  if num_fewshot == 0:
+    return [d["context"] for d in task.docs]
+  pool = task.fewshot_docs if task.fewshot_docs is not None else task.docs
+  own = task.fewshot_docs is None
+  if len(pool) < num_fewshot + own:
+    raise config_lib.ConfigError(
+        f"{task.path}: num_fewshot={num_fewshot} needs {num_fewshot + own} few-shot docs, "
+        f"has {len(pool)}")
+  rng, out = random.Random(seed), []
+  for i, doc in enumerate(task.docs):
+    drawn = rng.sample(range(len(pool)), min(num_fewshot + 1, len(pool)))
+    shots = [pool[j] for j in drawn if not (own and j == i)][:num_fewshot]
+    examples = [s["context"] + task.target_delimiter + s["choices"][s["gold"]] for s in shots]
+    out.append(task.fewshot_delimiter.join([*examples, doc["context"]]))
+  return out
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> score.Request:
+  """lm-eval's _encode_pair after BOS: trailing whitespace of the context moves to the continuation,
+  whose ids are those of context + continuation past the context's."""
+  spaces = len(context) - len(context.rstrip())
+  if spaces:
+    context, continuation = context[:-spaces], context[-spaces:] + continuation
+  try:
+    whole, ctx = tokenizer.encode(context + continuation), tokenizer.encode(context)
+  except ValueError as e:  # text outside a synthetic language's symbols
+    raise config_lib.ConfigError(f"cannot tokenize {context + continuation!r}: {e}") from None
+  bos = np.array([tokenizer.bos], np.int32)
+  return score.Request(np.concatenate([bos, ctx]).astype(np.int32),
+                       np.asarray(whole[len(ctx):], np.int32))
+
+
+def _stderr(values) -> float:
+  """The standard error of the mean (lm-eval's sample stderr)."""
+  values = np.asarray(values, np.float64)
+  return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+def multiple_choice(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: int,
+                    seed: int) -> dict:
+  """acc and acc_norm (with standard errors), docs, and requests truncated from the left."""
+  contexts = fewshot_contexts(task, num_fewshot, seed)
+  requests = [encode_pair(tokenizer, ctx, task.target_delimiter + c)
+              for ctx, doc in zip(contexts, task.docs) for c in doc["choices"]]
+  scores = iter(scorer.loglikelihood(requests))
+  acc, acc_norm, truncated = [], [], 0
+  for doc in task.docs:
+    doc_scores = [next(scores) for _ in doc["choices"]]
+    lls = np.array([s.logprob for s in doc_scores])
+    lengths = np.array([float(len(c)) for c in doc["choices"]])
+    acc.append(float(np.argmax(lls) == doc["gold"]))
+    acc_norm.append(float(np.argmax(lls / lengths) == doc["gold"]))
+    truncated += sum(s.truncated > 0 for s in doc_scores)
+  return {"acc": float(np.mean(acc)), "acc_stderr": _stderr(acc),
+          "acc_norm": float(np.mean(acc_norm)), "acc_norm_stderr": _stderr(acc_norm),
+          "docs": len(task.docs), "truncated": int(truncated)}
+
+
+def perplexity(task: Task, scorer: score.Scorer, tokenizer) -> dict:
+  """lm-eval's word_perplexity, byte_perplexity and bits_per_byte of the texts' summed rolling
+  log-likelihood: exp(-LL / words), exp(-LL / UTF-8 bytes), -LL / bytes / ln 2."""
+  texts = [doc["text"] for doc in task.docs]
+  lls = scorer.rolling_loglikelihood([tokenizer.encode(t) for t in texts], tokenizer.bos)
+  total = sum(lls)
+  words = sum(len(re.split(r"\s+", t)) for t in texts)
+  n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+  return {"word_perplexity": math.exp(-total / words),
+          "byte_perplexity": math.exp(-total / n_bytes),
+          "bits_per_byte": -total / n_bytes / math.log(2), "docs": len(texts)}
+
+
+def run(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: int = 0, seed: int = 0,
+        limit: int | None = None) -> dict:
+  """The task's metrics on its first `limit` docs (all with None); perplexity tasks take no
+  few-shot examples (num_fewshot ignored, as lm-eval's rolling tasks)."""
+  if limit is not None:
+    task = dataclasses.replace(task, docs=task.docs[:limit])
+  if task.kind == "perplexity":
+    return perplexity(task, scorer, tokenizer)
+  return multiple_choice(task, scorer, tokenizer, num_fewshot, seed)

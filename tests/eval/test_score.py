@@ -1,0 +1,121 @@
+"""Packed scoring (eval/score.py) against each request scored alone by a plain forward pass, left truncation
+included; rolling windows predict every token once; the same scores on an 8-device mesh."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import config as config_lib, parallel
+from jaxtrain.eval import score
+from jaxtrain.model import ModelConfig, Transformer
+from tests.fixtures import tiny_config
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+  """The tiny float32 model (vocab 64, max_seq_len 32) and random params."""
+  cfg = ModelConfig.from_config(tiny_config().model)
+  module = Transformer(cfg)
+  params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  return cfg, module, jax.tree.map(np.asarray, nn.unbox(params))
+
+
+def alone(module, params, reqs, seq_len=SEQ_LEN):
+  """(sum log-prob, is_greedy) of each request: its last seq_len + 1 tokens at the start of a row of its own
+  (right padding cannot reach back through causal attention), no segment ids, one plain forward pass."""
+  fulls = [np.concatenate([r.context, r.continuation])[-(seq_len + 1):] for r in reqs]
+  tokens_BL = np.zeros((len(reqs), seq_len), np.int32)
+  for b, full in enumerate(fulls):
+    tokens_BL[b, :len(full) - 1] = full[:-1]
+  logits_BLV = np.asarray(jax.jit(module.apply)({"params": params}, tokens_BL), np.float64)
+  logp_BLV = logits_BLV - np.log(np.exp(logits_BLV).sum(-1, keepdims=True))
+  out = []
+  for b, (r, full) in enumerate(zip(reqs, fulls)):
+    slots = np.arange(len(full) - 1)[-len(r.continuation):]
+    targets = full[1:][-len(r.continuation):]
+    out.append((logp_BLV[b, slots, targets].sum(), bool(np.all(logits_BLV[b, slots].argmax(-1) == targets))))
+  return out
+
+
+def requests(module, params, n=13, seed=0):
+  """Random requests of mixed lengths, three longer than SEQ_LEN (cut from the left), and one whose
+  continuation is the model's greedy token (is_greedy must be True)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    n_ctx = int(rng.integers(1, 30 if i % 4 == 0 else 9))
+    out.append(score.Request(rng.integers(0, 64, n_ctx).astype(np.int32),
+                             rng.integers(0, 64, int(rng.integers(1, 5))).astype(np.int32)))
+  ctx = rng.integers(0, 64, 6).astype(np.int32)
+  greedy = int(np.asarray(jax.jit(module.apply)({"params": params}, ctx[None]))[0, -1].argmax())
+  return out + [score.Request(ctx, np.array([greedy], np.int32))]
+
+
+def test_packed_scores_equal_each_request_alone(model):
+  cfg, module, params = model
+  reqs = requests(module, params)
+  batches = list(score.pack(reqs, 4, SEQ_LEN))
+  assert len(batches) < -(-len(reqs) // 4)  # rows hold several requests
+  assert max(int(b["segment_ids"].max()) for b, _ in batches) >= 2
+  got = score.Scorer(cfg, params, rows=4, seq_len=SEQ_LEN).loglikelihood(reqs)
+  want = alone(module, params, reqs)
+  assert np.allclose([g.logprob for g in got], [w[0] for w in want], atol=1e-5, rtol=0)
+  assert [g.is_greedy for g in got] == [w[1] for w in want]
+  assert got[-1].is_greedy
+  cuts = [max(0, len(r.context) + len(r.continuation) - 1 - SEQ_LEN) for r in reqs]
+  assert [g.truncated for g in got] == cuts and sum(c > 0 for c in cuts) >= 2
+
+
+def test_pack_masks_padding_and_restarts_positions(model):
+  reqs = requests(*model[1:])
+  for batch, spans in score.pack(reqs, 4, SEQ_LEN):
+    for s in spans:
+      assert np.all(batch["positions"][s.row, s.start:s.end] == np.arange(s.end - s.start))
+      seg = batch["segment_ids"][s.row, s.start:s.end]
+      assert seg.min() == seg.max() > 0
+    used = sum(s.end - s.start for s in spans)
+    assert np.sum(batch["segment_ids"] > 0) == used
+
+
+def test_rolling_windows_predict_every_token_once():
+  ids = np.arange(100, 137, dtype=np.int32)
+  windows = score.rolling_requests(ids, 1, 16)
+  assert [len(w.continuation) for w in windows] == [16, 16, 5]
+  assert np.array_equal(np.concatenate([w.continuation for w in windows]), ids)
+  assert [int(w.context[-1]) for w in windows] == [1, ids[15], ids[31]]
+  assert all(len(w.context) + len(w.continuation) - 1 <= 16 for w in windows)
+
+
+@pytest.mark.parametrize("context, continuation, message", [
+    (2, 17, "a continuation of 17 tokens is longer than the model's length 16"),
+    (0, 3, "at least one token each, got 0 and 3"),
+    (2, 0, "at least one token each, got 2 and 0"),
+])
+def test_requests_that_cannot_be_scored_are_one_line(model, context, continuation, message):
+  cfg, _, params = model
+  with pytest.raises(config_lib.ConfigError, match=message) as e:
+    score.Scorer(cfg, params, seq_len=SEQ_LEN).loglikelihood(
+        [score.Request(np.ones(context, np.int32), np.ones(continuation, np.int32))])
+  assert "\n" not in str(e.value)
+
+
+def test_a_token_outside_the_vocabulary_is_one_line(model):
+  cfg, _, params = model
+  with pytest.raises(config_lib.ConfigError, match=r"token id 64 is outside the model's vocabulary"):
+    score.Scorer(cfg, params).loglikelihood([score.Request(np.ones(2, np.int32), np.array([64], np.int32))])
+
+
+def test_sharded_over_a_mesh_equals_one_device(model):
+  cfg, module, params = model
+  reqs = requests(module, params, n=9, seed=1)
+  mesh = parallel.make_mesh(tiny_config(mesh={"data": 2, "fsdp": -1}).mesh)
+  sharded = score.Scorer(cfg, params, rows=3, seq_len=SEQ_LEN, mesh=mesh)
+  assert sharded.rows == 8  # rounded up to a multiple of the data shards (data 2 x fsdp 4)
+  got = sharded.loglikelihood(reqs)
+  want = score.Scorer(cfg, params, rows=4, seq_len=SEQ_LEN).loglikelihood(reqs)
+  assert np.allclose([g.logprob for g in got], [w.logprob for w in want], atol=1e-5, rtol=0)
+  assert [g.is_greedy for g in got] == [w.is_greedy for w in want]
