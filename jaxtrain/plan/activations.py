@@ -29,6 +29,11 @@ F32 = 4
 SAVED = {"none": (2.0, 3, 2), "dots": (1.5, 2, 1), "full": (0.5, 0, 0)}
 # MoE dispatch rows (Widths.dispatch) saved per layer: the gathered expert inputs, unless recomputed
 SAVED_DISPATCH = {"none": 1, "dots": 1, "full": 0}
+# Blockwise attention (kernels/attention/blockwise.py) saves its output and log-sum-exp, no scores:
+# what its backward holds is a key block's float32 scores and probabilities. XLA:TPU's peaks of
+# long_16k and long_32k (context parallelism; live-range reports, 2026-12-04) hold 2.0 and 1.5
+# copies of one block's [L, H x block] float32 scores, in the attention backward's loop.
+BLOCK_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,7 @@ class Widths:
   hk: int  # query heads x head dim
   hs: int  # attention scores per token (heads x keys) for the materialized (xla) implementation
   dispatch: int = 0  # MoE: [*, D] rows per token the dispatch holds (see expert_rows) x D
+  blockwise: bool = False  # blockwise attention: no scores saved, BLOCK_COPIES of a block's held
 
 
 def expert_rows(m: ModelConfig, expert_shards: int) -> tuple[float, int]:
@@ -100,7 +106,7 @@ def widths(m: ModelConfig, seq_len: int, tensor: int, attention: str,
     f = max(f, m.d_ff) if m.moe_first_dense else f
     dispatch = int((copies + rows) * m.d_model)
   return Widths(m.d_model, -(-f // tensor), m.n_heads * m.head_dim // tensor,
-                m.n_heads * keys // tensor, dispatch)
+                m.n_heads * keys // tensor, dispatch, attention == "blockwise")
 
 
 def scanned(m: ModelConfig) -> bool:
@@ -119,7 +125,7 @@ def backward_bytes(m: ModelConfig, w: Widths, tokens: int, act_bytes: int, k: Sc
   dispatch = layers * SAVED_DISPATCH[remat] + k.dispatch
   activations = tokens * act_bytes * ((layers * s_d + t) * (w.d + w.hk) + (layers * s_f + t) * w.f
                                       + dispatch * w.dispatch)
-  scores = tokens * F32 * w.hs * (layers * s_s + t)
+  scores = tokens * F32 * w.hs * (BLOCK_COPIES if w.blockwise else layers * s_s + t)
   return {"activations": int(activations), "attention_temps": int(scores)}
 
 

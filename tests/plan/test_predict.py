@@ -2,6 +2,7 @@
 real (virtual) devices, how memory moves with batch, remat and mesh, suggestions that re-predict as fitting,
 FLOPs, the CLI's table and its one-line errors, and train.batch_size=auto accepted by the schema."""
 
+import dataclasses
 import math
 
 import jax
@@ -72,6 +73,31 @@ def test_moe_dispatch_rows_follow_the_expert_shards():
   one = memory(tiny_config(model=moe, mesh=mesh(1)))
   eight = memory(tiny_config(model=moe, mesh=mesh(8)))
   assert eight["activations"] > 2 * one["activations"]
+
+
+def test_blockwise_attention_holds_one_block_of_scores_not_the_layers():
+  """Under context parallelism a TPU or GPU runs blockwise attention (the load-balanced order is
+  no causal order by position: no splash, no cuDNN), and blockwise saves its output and
+  log-sum-exp only: the attention temporaries are BLOCK_COPIES of one key block's float32 scores
+  for the local tokens, whatever the layers (were 2 L + 3 copies: long_16k 2.1x its compile)."""
+  from jaxtrain.config import ModelConfig
+  from jaxtrain.plan import activations
+  m = ModelConfig(n_layers=2, n_heads=4, head_dim=32, d_model=128, attention_block=512,
+                  compute_dtype="bfloat16")
+  assert estimate._attention_impl(m, 16384, "tpu-v5p") == "splash"
+  assert estimate._attention_impl(m, 16384, "tpu-v5p", context=8) == "blockwise"
+  assert estimate._attention_impl(m, 1024, "tpu-v5p", context=8) == "xla"
+  assert estimate._attention_impl(m, 16384, "h100", context=8) == "blockwise"
+  assert estimate._attention_impl(m, 16384, "tpu-v5p", stages=4) == "blockwise"
+  tokens = 2048
+  for layers in (2, 8):
+    one = dataclasses.replace(m, n_layers=layers)
+    w = activations.widths(one, 16384, 1, "blockwise")
+    got = activations.backward_bytes(one, w, tokens, 2, activations.XLA_TPU)["attention_temps"]
+    assert got == activations.BLOCK_COPIES * tokens * 4 * 4 * 512
+  xla = activations.widths(m, 2048, 1, "xla")
+  held = activations.backward_bytes(m, xla, tokens, 2, activations.XLA_TPU)["attention_temps"]
+  assert held == tokens * 4 * 4 * 2048 * (2 * 2 + 3)  # xla saves scores and probs a layer
 
 
 def test_flops_count_tokens_remat_and_time():
