@@ -37,7 +37,7 @@ def timed_rows(raw: list[dict]) -> list[dict]:
     if row.get("event") == "checkpoint_restore":
       fresh = True
     elif "event" not in row and "step" in row:
-      if not fresh and "eval_loss" not in row:
+      if not fresh and "eval_loss" not in row and "eval/time_s" not in row:
         timed.append(row)
       fresh = False
   return timed

@@ -1,7 +1,7 @@
 """Imports point one way (docs/ARCHITECTURE.md):
 
   config -> data -> collectives / kernels / wire -> model -> parallel -> optim -> core -> posttrain
-    -> builder -> plan -> aot -> train  (checkpoint / metrics: sinks, imported from core on)
+    -> builder -> plan -> aot -> train / eval  (checkpoint / metrics: sinks, imported from core on)
 
 no module imports itself back through others (no import circle, lazy imports included), and
 `import jaxtrain` / `python -m jaxtrain --help` import no jax at all."""
@@ -18,7 +18,7 @@ PACKAGE = os.path.join(ROOT, "jaxtrain")
 # A module's layer is its first name under jaxtrain; modules in one layer may import each other.
 LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels", "wire"},
           {"model"}, {"parallel"}, {"optim"}, {"core"}, {"posttrain"}, {"builder"}, {"plan"},
-          {"aot"}, {"train"}, {"eval"}, {"plotting"}]
+          {"aot"}, {"train", "eval"}, {"plotting"}]
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by core and later layers
 INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.hf_rope", "jaxtrain.checkpoint.pretrained",
            "jaxtrain.checkpoint.convert"}

@@ -1,7 +1,7 @@
 """The config: one module per section (model, data, train, posttrain, optim, comm and diloco, mesh,
-checkpoint, sample), each with its defaults, the choices its keys take and its checks; `schema`
-assembles the defaults, `checks` runs the checks. Import it as `from jaxtrain import config as
-config_lib`. No jax import here."""
+checkpoint, sample, eval), each with its defaults, the choices its keys take and its checks;
+`schema` assembles the defaults, `checks` runs the checks. Import it as `from jaxtrain import
+config as config_lib`. No jax import here."""
 
 from jaxtrain.config.checks import RESUMABLE_CHANGES, incompatible, validate
 from jaxtrain.config.comm import (

@@ -6,6 +6,7 @@ from jaxtrain.config.checkpoint import validate_checkpoint
 from jaxtrain.config.comm import validate_comm
 from jaxtrain.config.data import validate_data
 from jaxtrain.config.errors import flat
+from jaxtrain.config.eval import validate_eval
 from jaxtrain.config.mesh import validate_mesh
 from jaxtrain.config.model import validate_model
 from jaxtrain.config.optim import validate_optim
@@ -16,7 +17,8 @@ from jaxtrain.config.train import validate_train
 
 # Keys a resumed run may change: where and how often it runs, logs and saves, not what it computes.
 RESUMABLE_CHANGES = (
-    "mesh.", "checkpoint.", "sample.", "train.steps", "train.log_every", "train.eval_every",
+    "mesh.", "checkpoint.", "sample.", "eval.", "train.steps", "train.log_every",
+    "train.eval_every",
     "optim.max_consecutive_skips", "optim.on_divergence", "optim.max_rollbacks",
     "train.eval_batches", "train.microbatches", "train.pipeline_microbatches",
     "model.pipeline_repeats", "data.prefetch", "data.prepare_workers",
@@ -35,6 +37,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   validate_comm(cfg, shape)
   validate_checkpoint(cfg)
   validate_sample(cfg)
+  validate_eval(cfg)
   return shape
 
 

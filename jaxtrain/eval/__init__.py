@@ -1,6 +1,8 @@
 """Evaluation: log-likelihood scoring of continuations packed like training (score), task files
-scored as lm-evaluation-harness scores them (tasks), and `evaluate`. Importing this package loads
-no jax (the CLI's parser imports eval.cli); `evaluate` loads it on first call."""
+scored as lm-evaluation-harness scores them (tasks), `evaluate`, the evaluator the training loop
+runs for eval.tasks (loop), and lm-evaluation-harness's model "jaxtrain" (adapter; the eval
+extra). Importing this package loads no jax (the CLI's parser imports eval.cli); `evaluate` loads it
+on first call."""
 
 
 def evaluate(params_or_workdir, tasks, **kwargs) -> dict:

@@ -9,6 +9,17 @@ A task file holds one JSON object a line, optionally after a header line {"task"
                    target_delimiter + choice.
   perplexity       {"text": str}: word_perplexity, byte_perplexity, bits_per_byte of the rolling
                    log-likelihood (score.rolling_requests).
+  classification   {"context": str, "label": str} with header `labels` (the label set): the label
+                   of highest log-likelihood (target_delimiter + label); acc and macro_f1.
+  generate         {"context": str, "answer": str}: exact_match of the answer extracted from the
+                   generation (metrics.extract_answer; header answer_regex).
+  code             {"prompt": str, "tests": str, "entry_point"?: str}: pass@k over header `n`
+                   samples run with their tests in the sandbox (eval/sandbox.py).
+  dialogue         {"messages": [{"role", "content"}, ...] (the last the user's), "reference": str}:
+                   exact_match and token f1 of the reply through the chat template.
+Generation options in the header (eval/generate.py): until (stop strings; default ["\\n\\n"], code
+HumanEval's, dialogue none: EOS), max_new_tokens (256), temperature (0: greedy), top_k (0), n (1),
+k ([1]), timeout_s (5), memory_mb (512) for code.
 Contexts start with the tokenizer's BOS (as jaxtrain trains documents; lm-eval's HF backend with
 add_bos_token=True), and a context's trailing whitespace moves to the continuation (lm-eval's
 _encode_pair). A bad line is one ConfigError line naming the file and line.
@@ -24,10 +35,8 @@ import re
 import numpy as np
 
 from jaxtrain import config as config_lib
-from jaxtrain.eval import score
-
-KINDS = ("multiple_choice", "perplexity")
-HEADER_KEYS = ("kind", "target_delimiter", "fewshot_delimiter", "fewshot_file")
+from jaxtrain.eval import kinds, metrics, score
+from jaxtrain.eval.kinds import KINDS, OPTIONS
 
 
 @dataclasses.dataclass
@@ -40,10 +49,10 @@ class Task:
   fewshot_docs: list | None = None
   target_delimiter: str = " "
   fewshot_delimiter: str = "\n\n"
+  options: dict = dataclasses.field(default_factory=dict)
 
 
-def _error(path: str, line: int, what: str) -> config_lib.ConfigError:
-  return config_lib.ConfigError(f"{path}:{line}: {' '.join(what.split())}")
+_error = kinds.error
 
 
 def _read_jsonl(path: str) -> list[tuple[int, object]]:
@@ -69,6 +78,8 @@ def _check_doc(path: str, n: int, doc, kind: str) -> dict:
     if not isinstance(doc.get("text"), str) or not doc["text"]:
       raise _error(path, n, "perplexity: needs a non-empty string field 'text'")
     return doc
+  if kind != "multiple_choice":
+    return kinds.check_doc(path, n, doc, kind)
   context = doc.get("context", doc.get("query"))
   if not isinstance(context, str):
     raise _error(path, n, "multiple_choice: needs a string field 'context' (or 'query')")
@@ -84,33 +95,29 @@ def _check_doc(path: str, n: int, doc, kind: str) -> dict:
   return {**doc, "context": context}
 
 
-def _kind_of(path: str, n: int, doc) -> str:
-  if isinstance(doc, dict) and "choices" in doc:
-    return "multiple_choice"
-  if isinstance(doc, dict) and "text" in doc:
-    return "perplexity"
-  raise _error(path, n, f"cannot tell the task kind (a record with 'choices' or 'text', or a "
-                        f"header {{\"task\": {{\"kind\": ...}}}} with kind one of {KINDS})")
 
-
-def _read_docs(path: str, kind: str | None) -> tuple[dict, str, list]:
-  """(header, kind, checked docs) of a task file."""
+def _read_docs(path: str, kind: str | None, fewshot: bool = False) -> tuple[dict, str, list]:
+  """(options, kind, checked docs) of a task file (a few-shot file needs no labels)."""
   lines = _read_jsonl(path)
-  header = {}
+  header, header_line = {}, 1
   if lines and isinstance(lines[0][1], dict) and set(lines[0][1]) == {"task"}:
-    n, first = lines.pop(0)
+    header_line, first = lines.pop(0)
     header = first["task"]
-    if not isinstance(header, dict) or set(header) - set(HEADER_KEYS):
-      raise _error(path, n, f"the header's 'task' must be an object with keys among {HEADER_KEYS}")
-    if not all(isinstance(v, str) for v in header.values()):
-      raise _error(path, n, "the header's values must be strings")
+    if not isinstance(header, dict):
+      raise _error(path, header_line, "the header's 'task' must be an object")
     kind = header.get("kind", kind)
     if kind is not None and kind not in KINDS:
-      raise _error(path, n, f"task kind {kind!r} is not one of {KINDS}")
+      raise _error(path, header_line, f"task kind {kind!r} is not one of {KINDS}")
   if not lines:
     raise config_lib.ConfigError(f"{path}: no records")
-  kind = kind or _kind_of(path, *lines[0])
-  return header, kind, [_check_doc(path, n, doc, kind) for n, doc in lines]
+  kind = kind or kinds.kind_of(path, *lines[0])
+  opts = kinds.options(path, header_line, header, kind, fewshot)
+  docs = [_check_doc(path, n, doc, kind) for n, doc in lines]
+  for (n, _), doc in zip(lines, docs):
+    if kind == "classification" and opts["labels"] and doc["label"] not in opts["labels"]:
+      raise _error(path, n, f"classification: label {doc['label']!r} is not one of the header's "
+                            f"labels {opts['labels']}")
+  return {**header, **opts}, kind, docs
 
 
 def load_task(path: str) -> Task:
@@ -119,10 +126,11 @@ def load_task(path: str) -> Task:
   fewshot = None
   if "fewshot_file" in header:
     fewshot_path = os.path.join(os.path.dirname(path), header["fewshot_file"])
-    fewshot = _read_docs(fewshot_path, kind)[2]
+    fewshot = _read_docs(fewshot_path, kind, fewshot=True)[2]
   name = os.path.splitext(os.path.basename(path))[0]
   return Task(name, path, kind, docs, fewshot, header.get("target_delimiter", " "),
-              header.get("fewshot_delimiter", "\n\n"))
+              header.get("fewshot_delimiter", "\n\n"),
+              {k: v for k, v in header.items() if k in OPTIONS})
 
 
 def fewshot_contexts(task: Task, num_fewshot: int, seed: int) -> list[str]:
@@ -141,9 +149,14 @@ def fewshot_contexts(task: Task, num_fewshot: int, seed: int) -> list[str]:
   for i, doc in enumerate(task.docs):
     drawn = rng.sample(range(len(pool)), min(num_fewshot + 1, len(pool)))
     shots = [pool[j] for j in drawn if not (own and j == i)][:num_fewshot]
-    examples = [s["context"] + task.target_delimiter + s["choices"][s["gold"]] for s in shots]
+    examples = [s["context"] + task.target_delimiter + _target(s) for s in shots]
     out.append(task.fewshot_delimiter.join([*examples, doc["context"]]))
   return out
+
+
+def _target(doc: dict) -> str:
+  """A solved few-shot example's answer."""
+  return doc["choices"][doc["gold"]] if "choices" in doc else doc.get("label", doc.get("answer"))
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> score.Request:
@@ -187,6 +200,22 @@ def multiple_choice(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: in
           "docs": len(task.docs), "truncated": int(truncated)}
 
 
+def classification(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: int,
+                   seed: int) -> dict:
+  """acc and macro_f1 (metrics.macro_f1) of the label of highest log-likelihood."""
+  labels = task.options["labels"]
+  contexts = fewshot_contexts(task, num_fewshot, seed)
+  scores = scorer.loglikelihood([encode_pair(tokenizer, ctx, task.target_delimiter + label)
+                                 for ctx in contexts for label in labels])
+  lls = np.array([s.logprob for s in scores]).reshape(len(contexts), len(labels))
+  predicted = [labels[i] for i in np.argmax(lls, axis=1)]
+  gold = [doc["label"] for doc in task.docs]
+  acc = [float(p == g) for p, g in zip(predicted, gold)]
+  return {"acc": float(np.mean(acc)), "acc_stderr": _stderr(acc),
+          "macro_f1": metrics.macro_f1(gold, predicted), "docs": len(task.docs),
+          "truncated": int(sum(s.truncated > 0 for s in scores))}
+
+
 def perplexity(task: Task, scorer: score.Scorer, tokenizer) -> dict:
   """lm-eval's word_perplexity, byte_perplexity and bits_per_byte of the texts' summed rolling
   log-likelihood: exp(-LL / words), exp(-LL / UTF-8 bytes), -LL / bytes / ln 2."""
@@ -202,10 +231,20 @@ def perplexity(task: Task, scorer: score.Scorer, tokenizer) -> dict:
 
 def run(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: int = 0, seed: int = 0,
         limit: int | None = None) -> dict:
-  """The task's metrics on its first `limit` docs (all with None); perplexity tasks take no
-  few-shot examples (num_fewshot ignored, as lm-eval's rolling tasks)."""
+  """The task's metrics on its first `limit` docs (all with None); perplexity, code and dialogue
+  tasks take no few-shot examples (num_fewshot ignored, as lm-eval's rolling tasks)."""
   if limit is not None:
     task = dataclasses.replace(task, docs=task.docs[:limit])
   if task.kind == "perplexity":
     return perplexity(task, scorer, tokenizer)
-  return multiple_choice(task, scorer, tokenizer, num_fewshot, seed)
+  if task.kind == "classification":
+    return classification(task, scorer, tokenizer, num_fewshot, seed)
+  if task.kind == "multiple_choice":
+    return multiple_choice(task, scorer, tokenizer, num_fewshot, seed)
+  from jaxtrain.eval import generate
+  gen = generate.Generator(scorer)
+  if task.kind == "generate":
+    return generate.generate_task(task, gen, tokenizer, fewshot_contexts(task, num_fewshot, seed),
+                                  seed)
+  return (generate.code_task if task.kind == "code" else generate.dialogue_task)(
+      task, gen, tokenizer, seed)

@@ -30,7 +30,7 @@ PROGRESS_INTERVAL_S = 1.0
 
 
 def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
-          sync_every_step: bool = False, start_over: bool = False) -> dict:
+          sync_every_step: bool = False, start_over: bool = False, evaluator=None) -> dict:
   """Trains `task` (default: the one train.task names) in `workdir`, resuming from its newest
   checkpoint; returns the last logged metrics.
 
@@ -40,12 +40,13 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
   happens, every sink and manager opened here is closed before it returns or raises. The workdir is
   locked for the run: a second run on it is refused (one line). Multi-process: a lost peer ends
   every survivor with one line and status 6 within ~1.2 x `train.peer_timeout_s`
-  (train/peers.py)."""
+  (train/peers.py). `evaluator(cfg, workdir, run, state)` -> None or a callback scoring the params
+  between steps (default: eval.tasks' jaxtrain/eval/loop.py from_config)."""
   with peers.watch(cfg.train.peer_timeout_s), lock.hold(workdir):
-    return _train(cfg, workdir, task, devices, progress, sync_every_step, start_over)
+    return _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, evaluator)
 
 
-def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -> dict:
+def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, evaluator) -> dict:
   goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
   devices = jax.devices() if devices is None else devices
   cfg, auto_row = auto.resolve(cfg, devices)  # batch_size/microbatches=auto: chosen, confirmed
@@ -88,6 +89,10 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over) -
               lambda s: goodput.row(s, run.task.tokens_per_batch, cfg.train.gpu_hour_price, units))
     loop = Loop(cfg, run, feed, train_iter, state, train_fn, eval_fn, log, ckpts, goodput,
                 checkpoint_meta(cfg, workdir), sync_every_step, show)
+    if evaluator is None:  # eval.tasks scored between steps (eval shares train's floor)
+      from jaxtrain.eval import loop as eval_loop
+      evaluator = eval_loop.from_config
+    loop.tasks = evaluator(cfg, workdir, run, state)
     goodput.charge("init")  # jitting, the peak FLOP/s probe
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
@@ -184,6 +189,7 @@ class Loop:
     self.pending: Pending | None = None
     self.last, self.rollbacks = {}, 0
     self.adaptive = any(tier.adaptive for tier in ckpts.tiers)
+    self.tasks = None  # the in-loop task evaluator (train's `evaluator`)
     self.gather = readable(run.mesh, log.per_replica)
 
   def next_batch(self):
@@ -255,19 +261,28 @@ class Loop:
     self.pending = Pending(n, step_metrics, due, {})
     if t.eval_every and (n % t.eval_every == 0 or is_last):
       self.pending = Pending(n, step_metrics, True, self.evaluate(n))
+    if self.tasks is not None and self.tasks.due(n, is_last):
+      self.pending = self.pending._replace(due=True, extra={**self.pending.extra,
+                                                            **self.evaluate(n, self.tasks)})
 
-  def evaluate(self, n: int) -> dict:
+  def evaluate(self, n: int, tasks=None) -> dict:
+    """Eval loss (or with `tasks`, the in-loop tasks' columns), charged to goodput's eval badput."""
     # the step's own time stays in the step's window, the eval's not
     jax.block_until_ready(self.state)
     self.goodput.charge("step", n)
     eval_start = time.perf_counter()
-    result = evaluate(self.eval_fn, self.state, self.feed, self.run.task,
-                      self.cfg.train.eval_batches)
-    result["eval_time_s"] = time.perf_counter() - eval_start
+    if tasks is None:
+      result = evaluate(self.eval_fn, self.state, self.feed, self.run.task,
+                        self.cfg.train.eval_batches)
+    else:
+      result = tasks(n, self.state.params, self.state.extra)
+    seconds = time.perf_counter() - eval_start
+    result["eval_time_s" if tasks is None else "eval/time_s"] = seconds
     self.goodput.charge("eval")
-    self.log.window_start += result["eval_time_s"]
+    self.log.window_start += seconds
     if self.show:
-      shown = {k: v for k, v in result.items() if k != "eval_time_s"}
+      shown = {k: v for k, v in result.items()
+               if not k.endswith(("time_s", "_stderr", "/docs", "/truncated"))}
       self.log.bar.write(f"step {n}: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items()))
     return result
 

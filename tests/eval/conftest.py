@@ -36,3 +36,13 @@ def multiple_choice_docs(n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path, records) -> str:
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
   return str(path)
+
+
+def assert_bad_task_file(tmp_path, lines, message):
+  """Loading the task file of `lines` is one ConfigError line that starts `path:` then `message`."""
+  from jaxtrain import config as config_lib
+  from jaxtrain.eval import tasks
+  path = write_jsonl(tmp_path / "bad.jsonl", lines)
+  with pytest.raises(config_lib.ConfigError, match=f"^{path}:{message}") as e:
+    tasks.load_task(path)
+  assert "\n" not in str(e.value)

@@ -14,6 +14,7 @@ from jaxtrain import config as config_lib
 from jaxtrain.data.tokenizers import Bytes
 from jaxtrain.eval import evaluate, score, tasks
 from jaxtrain.model import ModelConfig, Transformer
+from tests.eval.conftest import write_jsonl
 from tests.fixtures import tiny_config
 
 SEQ_LEN = 32
@@ -27,11 +28,6 @@ def byte_model():
   params = jax.tree.map(np.asarray, nn.unbox(
       jax.jit(module.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"]))
   return cfg, module, params, score.Scorer(cfg, params, rows=4)
-
-
-def write_jsonl(path, records):
-  path.write_text("".join(json.dumps(r) + "\n" for r in records))
-  return str(path)
 
 
 def test_acc_norm_flips_the_choice_when_length_normalisation_does(tmp_path, byte_model):
@@ -131,9 +127,9 @@ def test_a_bad_line_is_one_error_line_naming_file_and_line(tmp_path, line, messa
 @pytest.mark.parametrize("lines, message", [
     ([], "no records"),
     ([{"question": "?"}], "1: cannot tell the task kind"),
-    ([{"task": {"kind": "generate"}}, GOOD], "1: task kind 'generate' is not one of"),
-    ([{"task": {"delimiter": " "}}, GOOD], "1: the header's 'task' must be an object with keys among"),
-    ([{"task": {"target_delimiter": 1}}, GOOD], "1: the header's values must be strings"),
+    ([{"task": {"kind": "essay"}}, GOOD], "1: task kind 'essay' is not one of"),
+    ([{"task": {"delimiter": " "}}, GOOD], "1: the header's 'delimiter' is not an option of a multiple_choice task"),
+    ([{"task": {"target_delimiter": 1}}, GOOD], "1: the header's 'target_delimiter' must be a string"),
     ([{"task": {"kind": "perplexity"}}, GOOD], "2: perplexity: needs a non-empty string field 'text'"),
 ])
 def test_bad_files_are_one_error_line(tmp_path, lines, message):

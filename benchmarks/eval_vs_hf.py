@@ -1,0 +1,92 @@
+"""Log-likelihood requests per second: jaxtrain's lm-eval adapter (packed rows, one compiled
+program, jaxtrain/eval/adapter.py) against lm-evaluation-harness's Hugging Face backend (torch,
+padded batches), the same requests on the same random Llama, on this host's CPU (issue 24 item 6).
+
+  python benchmarks/eval_vs_hf.py [--docs 200] [--hidden 256] [--layers 4] [--batch 8]
+
+A random LlamaForCausalLM (no download) and a byte-level BPE tokenizer are saved to a temporary
+directory with a tokenizer_config.json; `docs` generated multiple-choice docs (2-4 choices each, a
+one-shot context) give the (context, continuation) requests. Each backend first scores a few
+requests (jaxtrain compiles there, torch warms up), then all of them once, timed; the log-
+likelihoods are checked to agree. Prints both rates and their ratio. Needs the eval extra (lm-eval,
+accelerate) and torch.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def build_model(path: str, hidden: int, layers: int) -> None:
+  from tests.checkpoint.test_hf import bpe_tokenizer_json, hf_model
+  bpe_tokenizer_json(os.path.join(path, "tokenizer.json"))
+  hf_model(tie=False, seed=0, vocab_size=300, hidden_size=hidden, num_hidden_layers=layers,
+           num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
+           intermediate_size=hidden * 3, max_position_embeddings=256).save_pretrained(
+               path, safe_serialization=True)
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+               "eos_token": "</s>", "pad_token": "</s>"}, f)
+
+
+def requests(n_docs: int):
+  from lm_eval.api.instance import Instance
+
+  from jaxtrain.eval import tasks
+  from tests.eval.conftest import multiple_choice_docs
+  docs = multiple_choice_docs(n_docs, seed=1)
+  task = tasks.Task("bench", "", "multiple_choice", docs, fewshot_docs=docs)
+  contexts = tasks.fewshot_contexts(task, 1, seed=0)
+  return [Instance("loglikelihood", doc, (ctx, " " + c), i)
+          for i, (ctx, doc) in enumerate(zip(contexts, docs)) for c in doc["choices"]]
+
+
+def timed(lm, reqs):
+  lm.loglikelihood(reqs[:16], disable_tqdm=True)  # compile / warm up
+  start = time.perf_counter()
+  out = lm.loglikelihood(reqs, disable_tqdm=True)
+  return out, time.perf_counter() - start
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--docs", type=int, default=200)
+  p.add_argument("--hidden", type=int, default=256)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--batch", type=int, default=8, help="HF batch size and jaxtrain rows")
+  args = p.parse_args()
+  for name in ("lm_eval", "lm-eval", "transformers"):
+    logging.getLogger(name).setLevel(logging.ERROR)
+  import torch
+  from lm_eval.models.huggingface import HFLM
+
+  from jaxtrain.eval.adapter import JaxtrainLM
+  with tempfile.TemporaryDirectory() as path:
+    build_model(path, args.hidden, args.layers)
+    reqs = requests(args.docs)
+    hf = HFLM(pretrained=path, add_bos_token=True, dtype="float32", device="cpu",
+              batch_size=args.batch)
+    jt = JaxtrainLM(path, rows=args.batch)
+    with torch.no_grad():
+      want, hf_s = timed(hf, reqs)
+    got, jt_s = timed(jt, reqs)
+  diff = max(abs(a[0] - b[0]) for a, b in zip(got, want))
+  print(f"{len(reqs)} requests ({args.docs} docs, one-shot), Llama hidden={args.hidden} "
+        f"layers={args.layers}, batch {args.batch}, torch threads {torch.get_num_threads()}; "
+        f"max |loglikelihood difference| {diff:.2e}")
+  print(f"lm-eval hf backend: {len(reqs) / hf_s:8.1f} requests/s ({hf_s:.2f} s)")
+  print(f"jaxtrain adapter:   {len(reqs) / jt_s:8.1f} requests/s ({jt_s:.2f} s)")
+  print(f"ratio jaxtrain / hf: {hf_s / jt_s:.2f}x")
+  if not diff < 1e-3:
+    raise SystemExit("the backends disagree")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,76 @@
+"""Task evaluation inside the training loop (eval.tasks every eval.every_steps): the loop's params
+scored where they lie, on the training mesh, with one compiled scoring program for the whole run.
+
+`InLoopEval(cfg, workdir, run, state)` is what train/loop.py receives (train(evaluator=...); by
+default built here when eval.tasks is set): `due(step, is_last)` says whether an evaluation is due
+and not already logged, `__call__(step, params, extra)` returns the row's `eval/<task>/<metric>`
+columns. Resumable: the steps whose rows in metrics.jsonl already hold every task's columns are not
+evaluated again (a run resumed from an older checkpoint recomputes those steps, not their
+evaluations)."""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import eval as eval_config
+from jaxtrain.eval import score, tasks as tasks_lib
+from jaxtrain.model import ModelConfig
+from jaxtrain.train import goodput as goodput_lib, sampling
+
+PREFIX = "eval/"
+
+
+def columns(task: str, metrics: dict) -> dict:
+  """{eval/<task>/<metric>: value} of one task's metrics."""
+  return {f"{PREFIX}{task}/{k}": v for k, v in metrics.items()}
+
+
+def logged_steps(workdir: str, names: list[str]) -> set[int]:
+  """The steps of metrics.jsonl rows that hold a column of every task in `names`."""
+  out = set()
+  for row in goodput_lib.history(workdir):
+    if "step" in row and all(any(k.startswith(f"{PREFIX}{n}/") for k in row) for n in names):
+      out.add(int(row["step"]))
+  return out
+
+
+class InLoopEval:
+  """The task files of eval.tasks, loaded and checked at startup (a bad one is one ConfigError
+  line), scored by the training params on `run.mesh` every eval.every_steps and at the last step."""
+
+  def __init__(self, cfg, workdir: str, run, state):
+    self.every = eval_config.every_steps(cfg)
+    e = cfg.eval
+    self.tasks = [tasks_lib.load_task(p) for p in eval_config.task_paths(cfg)]
+    names = [t.name for t in self.tasks]
+    if len(set(names)) != len(names):
+      raise config_lib.ConfigError(f"eval.tasks: two tasks share a name: {names}")
+    self.tokenizer = sampling.load_tokenizer(cfg, workdir)
+    self.limit, self.num_fewshot, self.seed = e.limit or None, e.num_fewshot, e.seed
+    self.logged = logged_steps(workdir, names)
+    # rows and seq_len as jaxtrain.evaluate's defaults: the same packing, so the same numbers
+    self.scorer = score.Scorer(ModelConfig.from_config(cfg.model), state.params, state.extra,
+                               mesh=run.mesh, mesh_rules=cfg.mesh.rules)
+    self.shardings = jax.tree.map(lambda a: a.sharding, self.scorer.params)
+
+  def due(self, step: int, is_last: bool) -> bool:
+    return (step % self.every == 0 or is_last) and step not in self.logged
+
+  def __call__(self, step: int, params, extra) -> dict:
+    """The row's columns for `step`, scored by `params` (moved only where the scorer's shardings
+    differ from the training ones)."""
+    self.scorer.params = jax.device_put(params, self.shardings)
+    self.scorer.extra = jax.device_put(extra or {}, NamedSharding(self.scorer.mesh, P()))
+    row = {}
+    for task in self.tasks:
+      row.update(columns(task.name, tasks_lib.run(task, self.scorer, self.tokenizer,
+                                                  self.num_fewshot, self.seed, self.limit)))
+    self.logged.add(step)
+    return row
+
+
+def from_config(cfg, workdir: str, run, state):
+  """The loop's evaluator for eval.tasks, or None when it names none."""
+  if not eval_config.task_paths(cfg):
+    return None
+  return InLoopEval(cfg, workdir, run, state)
