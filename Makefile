@@ -39,7 +39,7 @@ test-all: setup
 	$(PY) -m pytest -q -m ""
 
 # The `long` runs (over 5 minutes each on 2 cores: long_16k's 20 steps, the comm-quality schemes, the
-# post-training chain), which CI's 90 minutes leave out; run them when their code changes.
+# post-training chain, moe_tiny to its entropy floor), which CI's 90 minutes leave out; run them when their code changes.
 test-long: setup
 	$(PY) -m pytest -q $(XDIST) -m long
 

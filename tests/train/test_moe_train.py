@@ -136,6 +136,7 @@ def test_moe_run_logs_router_metrics_and_resumes_bitwise_with_its_expert_bias(tm
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the whole moe_tiny run: 481 s on 2 loaded cores (2026-12-04), `make test-long`
 def test_moe_tiny_reaches_the_entropy_floor(tmp_path):
   cfg = load_config_file(os.path.join(ROOT, "configs", "moe_tiny.py"))
   final = jaxtrain.train(cfg, str(tmp_path), progress=False)
