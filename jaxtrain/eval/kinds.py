@@ -1,7 +1,11 @@
-"""The task kinds and their header options (eval/tasks.py reads task files): which kind a
-record is, the options each kind takes with their defaults and checks, and the fields of the
-generative and classification kinds. Errors are one ConfigError line naming the file and line."""
+"""The task kinds and their records (eval/tasks.py reads JSONL task files, eval/task_yaml.py
+lm-evaluation-harness YAML): which kind a record is, the options each kind takes with their
+defaults and checks, each kind's fields checked (check_doc), the Task they make, and JSON Lines
+read by line. Errors are one ConfigError line naming the file and line."""
 
+import dataclasses
+import json
+import os
 import re
 
 from jaxtrain import config as config_lib
@@ -78,7 +82,7 @@ def options(path: str, n: int, header: dict, kind: str, fewshot: bool) -> dict:
   return opts
 
 
-def check_doc(path: str, n: int, doc: dict, kind: str) -> dict:
+def _check_other(path: str, n: int, doc: dict, kind: str) -> dict:
   """The doc of a classification, generate, code or dialogue task, its fields checked."""
   if kind in FIELDS:
     for field in FIELDS[kind]:
@@ -98,3 +102,56 @@ def check_doc(path: str, n: int, doc: dict, kind: str) -> dict:
       raise error(path, n, "dialogue: needs a string field 'reference'")
     return doc
   raise error(path, n, f"unknown task kind {kind!r}")
+
+
+@dataclasses.dataclass
+class Task:
+  """A task file read and checked: its docs (and few-shot pool) as dicts."""
+  name: str
+  path: str
+  kind: str
+  docs: list
+  fewshot_docs: list | None = None
+  target_delimiter: str = " "
+  fewshot_delimiter: str = "\n\n"
+  options: dict = dataclasses.field(default_factory=dict)
+
+
+def read_jsonl(path: str) -> list[tuple[int, object]]:
+  """(line number, parsed value) of each non-blank line."""
+  if not os.path.isfile(path):
+    raise config_lib.ConfigError(f"{path}: no such task file")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          out.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+          raise error(path, n, f"not JSON ({e.msg})") from None
+  return out
+
+
+def check_doc(path: str, n: int, doc, kind: str) -> dict:
+  """The doc, its fields checked for `kind`; multiple-choice contexts under "context"."""
+  if not isinstance(doc, dict):
+    raise error(path, n, f"expected a JSON object, got {type(doc).__name__}")
+  if kind == "perplexity":
+    if not isinstance(doc.get("text"), str) or not doc["text"]:
+      raise error(path, n, "perplexity: needs a non-empty string field 'text'")
+    return doc
+  if kind != "multiple_choice":
+    return _check_other(path, n, doc, kind)
+  context = doc.get("context", doc.get("query"))
+  if not isinstance(context, str):
+    raise error(path, n, "multiple_choice: needs a string field 'context' (or 'query')")
+  choices = doc.get("choices")
+  if not isinstance(choices, list) or not choices:
+    raise error(path, n, "multiple_choice: 'choices' must be a non-empty list of strings")
+  if not all(isinstance(c, str) and c for c in choices):
+    raise error(path, n, "multiple_choice: every choice must be a non-empty string")
+  gold = doc.get("gold")
+  if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+    raise error(path, n, f"multiple_choice: 'gold' must be an integer in [0, {len(choices)}), "
+                          f"got {gold!r}")
+  return {**doc, "context": context}

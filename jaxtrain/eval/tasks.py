@@ -22,11 +22,11 @@ HumanEval's, dialogue none: EOS), max_new_tokens (256), temperature (0: greedy),
 k ([1]), timeout_s (5), memory_mb (512) for code.
 Contexts start with the tokenizer's BOS (as jaxtrain trains documents; lm-eval's HF backend with
 add_bos_token=True), and a context's trailing whitespace moves to the continuation (lm-eval's
-_encode_pair). A bad line is one ConfigError line naming the file and line.
+_encode_pair). A bad line is one ConfigError line naming the file and line. An lm-evaluation-harness
+task YAML over local files loads too (eval/task_yaml.py); small tasks of each kind ship in SHIPPED.
 """
 
 import dataclasses
-import json
 import math
 import os
 import random
@@ -36,69 +36,17 @@ import numpy as np
 
 from jaxtrain import config as config_lib
 from jaxtrain.eval import kinds, metrics, score
-from jaxtrain.eval.kinds import KINDS, OPTIONS
-
-
-@dataclasses.dataclass
-class Task:
-  """A task file read and checked: its docs (and few-shot pool) as dicts."""
-  name: str
-  path: str
-  kind: str
-  docs: list
-  fewshot_docs: list | None = None
-  target_delimiter: str = " "
-  fewshot_delimiter: str = "\n\n"
-  options: dict = dataclasses.field(default_factory=dict)
+from jaxtrain.eval.kinds import KINDS, OPTIONS, Task, read_jsonl
 
 
 _error = kinds.error
-
-
-def _read_jsonl(path: str) -> list[tuple[int, object]]:
-  """(line number, parsed value) of each non-blank line."""
-  if not os.path.isfile(path):
-    raise config_lib.ConfigError(f"{path}: no such task file")
-  out = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if line.strip():
-        try:
-          out.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-          raise _error(path, n, f"not JSON ({e.msg})") from None
-  return out
-
-
-def _check_doc(path: str, n: int, doc, kind: str) -> dict:
-  """The doc, its fields checked for `kind`; multiple-choice contexts under "context"."""
-  if not isinstance(doc, dict):
-    raise _error(path, n, f"expected a JSON object, got {type(doc).__name__}")
-  if kind == "perplexity":
-    if not isinstance(doc.get("text"), str) or not doc["text"]:
-      raise _error(path, n, "perplexity: needs a non-empty string field 'text'")
-    return doc
-  if kind != "multiple_choice":
-    return kinds.check_doc(path, n, doc, kind)
-  context = doc.get("context", doc.get("query"))
-  if not isinstance(context, str):
-    raise _error(path, n, "multiple_choice: needs a string field 'context' (or 'query')")
-  choices = doc.get("choices")
-  if not isinstance(choices, list) or not choices:
-    raise _error(path, n, "multiple_choice: 'choices' must be a non-empty list of strings")
-  if not all(isinstance(c, str) and c for c in choices):
-    raise _error(path, n, "multiple_choice: every choice must be a non-empty string")
-  gold = doc.get("gold")
-  if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
-    raise _error(path, n, f"multiple_choice: 'gold' must be an integer in [0, {len(choices)}), "
-                          f"got {gold!r}")
-  return {**doc, "context": context}
-
+# the small tasks shipped with the package, one of each kind (tools/make_eval_tasks.py writes them)
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks_data")
 
 
 def _read_docs(path: str, kind: str | None, fewshot: bool = False) -> tuple[dict, str, list]:
   """(options, kind, checked docs) of a task file (a few-shot file needs no labels)."""
-  lines = _read_jsonl(path)
+  lines = read_jsonl(path)
   header, header_line = {}, 1
   if lines and isinstance(lines[0][1], dict) and set(lines[0][1]) == {"task"}:
     header_line, first = lines.pop(0)
@@ -112,7 +60,7 @@ def _read_docs(path: str, kind: str | None, fewshot: bool = False) -> tuple[dict
     raise config_lib.ConfigError(f"{path}: no records")
   kind = kind or kinds.kind_of(path, *lines[0])
   opts = kinds.options(path, header_line, header, kind, fewshot)
-  docs = [_check_doc(path, n, doc, kind) for n, doc in lines]
+  docs = [kinds.check_doc(path, n, doc, kind) for n, doc in lines]
   for (n, _), doc in zip(lines, docs):
     if kind == "classification" and opts["labels"] and doc["label"] not in opts["labels"]:
       raise _error(path, n, f"classification: label {doc['label']!r} is not one of the header's "
@@ -121,7 +69,11 @@ def _read_docs(path: str, kind: str | None, fewshot: bool = False) -> tuple[dict
 
 
 def load_task(path: str) -> Task:
-  """A task file (and its few-shot file) read and checked; ConfigError (one line) otherwise."""
+  """A task file (and its few-shot file) read and checked; ConfigError (one line) otherwise. A .yaml
+  or .yml file is an lm-evaluation-harness task over local JSON Lines (eval/task_yaml.py)."""
+  if path.endswith((".yaml", ".yml")):
+    from jaxtrain.eval import task_yaml
+    return task_yaml.load_task(path)
   header, kind, docs = _read_docs(path, None)
   fewshot = None
   if "fewshot_file" in header:
