@@ -179,11 +179,16 @@ def make_tokenizer(data_cfg, workdir: str, texts: Iterable[str] | None = None):
   if not os.path.isfile(name):
     raise FileNotFoundError(f"data.tokenizer {name!r} does not exist (expected 'byte', 'bpe', or a "
                             f"tokenizer.json / .model path)")
-  if name.endswith(".model"):
-    return SentencePieceTokenizer(name)
-  if name.endswith(".json"):
-    return HfTokenizer(name)
-  raise ValueError(f"data.tokenizer {name!r}: expected a tokenizer.json (.json) or a SentencePiece "
+  return from_file(name)
+
+
+def from_file(path: str):
+  """The tokenizer of a tokenizer.json (.json) or SentencePiece (.model) file."""
+  if path.endswith(".model"):
+    return SentencePieceTokenizer(path)
+  if path.endswith(".json"):
+    return HfTokenizer(path)
+  raise ValueError(f"data.tokenizer {path!r}: expected a tokenizer.json (.json) or a SentencePiece "
                    f"(.model) file")
 
 

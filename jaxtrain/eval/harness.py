@@ -19,10 +19,8 @@ def load_model(path: str):
     tokenizer_file = convert.hf_tokenizer(path)
     if tokenizer_file is None:
       raise config_lib.ConfigError(f"{path} has no tokenizer.json or tokenizer.model")
-    maker = (tokenizers.SentencePieceTokenizer if tokenizer_file.endswith(".model")
-             else tokenizers.HfTokenizer)
     try:
-      return cfg, params, {}, maker(tokenizer_file)
+      return cfg, params, {}, tokenizers.from_file(tokenizer_file)
     except ValueError as e:  # no BOS/EOS tokens
       raise config_lib.ConfigError(str(e)) from None
   cfg, params, extra = pretrained.read_step(path)
@@ -50,10 +48,7 @@ def evaluate(params_or_workdir, tasks, *, config=None, tokenizer=None, extra=Non
   if num_fewshot < 0 or (limit is not None and limit < 1):
     raise config_lib.ConfigError(
         f"evaluate: num_fewshot={num_fewshot} must be >= 0 and limit={limit} >= 1")
-  loaded = [t if isinstance(t, tasks_lib.Task) else tasks_lib.load_task(os.fspath(t))
-            for t in ([tasks] if isinstance(tasks, (str, os.PathLike)) else tasks)]
-  names = [t.name for t in loaded]
-  if len(set(names)) != len(names):
-    raise config_lib.ConfigError(f"evaluate: two tasks share a name: {names}")
+  loaded = tasks_lib.load_tasks([tasks] if isinstance(tasks, (str, os.PathLike)) else tasks,
+                                "evaluate")
   scorer = score.Scorer(model_cfg, params, extra, rows, seq_len, mesh, mesh_rules)
   return {t.name: tasks_lib.run(t, scorer, tokenizer, num_fewshot, seed, limit) for t in loaded}

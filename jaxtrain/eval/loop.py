@@ -11,7 +11,6 @@ evaluations)."""
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import config as config_lib
 from jaxtrain.config import eval as eval_config
 from jaxtrain.eval import score, tasks as tasks_lib
 from jaxtrain.model import ModelConfig
@@ -41,17 +40,15 @@ class InLoopEval:
   def __init__(self, cfg, workdir: str, run, state):
     self.every = eval_config.every_steps(cfg)
     e = cfg.eval
-    self.tasks = [tasks_lib.load_task(p) for p in eval_config.task_paths(cfg)]
-    names = [t.name for t in self.tasks]
-    if len(set(names)) != len(names):
-      raise config_lib.ConfigError(f"eval.tasks: two tasks share a name: {names}")
+    self.tasks = tasks_lib.load_tasks(eval_config.task_paths(cfg), "eval.tasks")
     self.tokenizer = sampling.load_tokenizer(cfg, workdir)
     self.limit, self.num_fewshot, self.seed = e.limit or None, e.num_fewshot, e.seed
-    self.logged = logged_steps(workdir, names)
+    self.logged = logged_steps(workdir, [t.name for t in self.tasks])
     # rows and seq_len as jaxtrain.evaluate's defaults: the same packing, so the same numbers
     self.scorer = score.Scorer(ModelConfig.from_config(cfg.model), state.params, state.extra,
                                mesh=run.mesh, mesh_rules=cfg.mesh.rules)
     self.shardings = jax.tree.map(lambda a: a.sharding, self.scorer.params)
+    self.scorer.params = self.scorer.extra = None  # given at each evaluation (__call__)
 
   def due(self, step: int, is_last: bool) -> bool:
     return (step % self.every == 0 or is_last) and step not in self.logged
@@ -66,6 +63,8 @@ class InLoopEval:
       row.update(columns(task.name, tasks_lib.run(task, self.scorer, self.tokenizer,
                                                   self.num_fewshot, self.seed, self.limit)))
     self.logged.add(step)
+    # hold no params between evaluations: a copy (where shardings differ) would stay live all run
+    self.scorer.params = self.scorer.extra = None
     return row
 
 

@@ -68,6 +68,16 @@ def _read_docs(path: str, kind: str | None, fewshot: bool = False) -> tuple[dict
   return {**header, **opts}, kind, docs
 
 
+def load_tasks(tasks, what: str) -> list[Task]:
+  """Task files (paths) and Tasks, loaded and checked; their names must differ (`what` says who
+  asks, in the one-line error)."""
+  loaded = [t if isinstance(t, Task) else load_task(os.fspath(t)) for t in tasks]
+  names = [t.name for t in loaded]
+  if len(set(names)) != len(names):
+    raise config_lib.ConfigError(f"{what}: two tasks share a name: {names}")
+  return loaded
+
+
 def load_task(path: str) -> Task:
   """A task file (and its few-shot file) read and checked; ConfigError (one line) otherwise. A .yaml
   or .yml file is an lm-evaluation-harness task over local JSON Lines (eval/task_yaml.py)."""
