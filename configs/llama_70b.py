@@ -8,7 +8,8 @@ XLA:TPU fits it in 89.63 of 95 GiB (compiled, not executed). As 4 pipeline stage
 f32 copies of each stage's gradient, which the pipeline accumulates over its iterations
 (tests/targets/test_configs.py, benchmarks/RESULTS.md). With twice the batch
 (`--config.train.batch_size=32`) fsdp 16 is refused (99.44 GiB) and fits with
-`--config.train.offload=activations` (87.02 GiB; the 80 layer inputs, 20 GiB a chip, on the host)."""
+`--config.train.offload=activations` (87.02 GiB; the 80 layer inputs, 20 GiB a chip, on the
+host)."""
 
 from jaxtrain.config import default_config
 

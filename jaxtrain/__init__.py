@@ -6,7 +6,7 @@ Library API (everything the CLI does):
   final = jaxtrain.train(cfg, "runs/tiny")
   text = jaxtrain.sample("runs/tiny", "< 5 6 7 |", max_new_tokens=8, temperature=0, top_k=0)
   cfg, params, apply = jaxtrain.load_pretrained("hf_or_run_dir")   # logits = apply(params, tokens)
-  scores = jaxtrain.evaluate("runs/tiny", ["arc.jsonl", "wiki.jsonl"])  # {task: {acc, acc_norm, ...}}
+  scores = jaxtrain.evaluate("runs/tiny", ["arc.jsonl", "wiki.jsonl"])  # {task: {metric: value}}
   # metrics.jsonl: a pandas DataFrame (list of dicts without pandas)
   table = jaxtrain.read_metrics("runs/tiny")
   fig = jaxtrain.plot("runs/tiny", keys=("loss", "eval_loss"))   # matplotlib, entropy floor dashed

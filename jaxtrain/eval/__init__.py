@@ -6,9 +6,9 @@ on first call."""
 
 
 def evaluate(params_or_workdir, tasks, **kwargs) -> dict:
-  """{task name: {metric: value}}: `tasks` (JSONL paths) scored by the newest checkpoint of a workdir,
-  a Hugging Face directory, or params with config= and tokenizer= (jaxtrain.eval.harness.evaluate:
-  num_fewshot, seed, limit, rows, seq_len, mesh)."""
+  """{task name: {metric: value}}: `tasks` (JSONL paths) scored by the newest checkpoint of a
+  workdir, a Hugging Face directory, or params with config= and tokenizer=
+  (jaxtrain.eval.harness.evaluate: num_fewshot, seed, limit, rows, seq_len, mesh)."""
   from jaxtrain.eval import harness
   return harness.evaluate(params_or_workdir, tasks, **kwargs)
 

@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
   p = sub.add_parser("eval", help="score task files (JSONL: multiple_choice, perplexity) with a "
                                   "workdir's newest checkpoint or a HF directory")
   source = p.add_mutually_exclusive_group(required=True)
-  source.add_argument("--workdir", help="a training or converted workdir (writes eval_results.json)")
+  source.add_argument("--workdir",
+                      help="a training or converted workdir (writes eval_results.json)")
   source.add_argument("--from_hf", metavar="HF_DIR",
                       help="a HF Llama or Mixtral directory with its tokenizer (prints only)")
   p.add_argument("--tasks", required=True, metavar="A.jsonl,B.jsonl",

@@ -1,5 +1,5 @@
-"""A tiny random Hugging Face Llama directory with a byte-level BPE tokenizer.json, and task files over its
-texts: what the transformers comparison and the CLI tests score."""
+"""A tiny random Hugging Face Llama directory with a byte-level BPE tokenizer.json, and task files
+over its texts: what the transformers comparison and the CLI tests score."""
 
 import json
 
@@ -21,7 +21,8 @@ def hf_dir(tmp_path_factory):
 
 
 def multiple_choice_docs(n: int, seed: int = 0) -> list[dict]:
-  """n generated docs over the tokenizer's texts: 2-4 choices of different lengths, a random gold."""
+  """n generated docs over the tokenizer's texts: 2-4 choices of different lengths, a random
+  gold."""
   from tests.checkpoint.test_hf import TEXTS
   words = " ".join(TEXTS[:4]).replace(".", "").split()
   rng = np.random.default_rng(seed)

@@ -1,8 +1,8 @@
-"""The lm-evaluation-harness adapter (jaxtrain/eval/adapter.py) against lm-eval's own Hugging Face backend on a
-random tiny LlamaForCausalLM (no download): the same local multiple-choice task run by
-lm_eval.simple_evaluate(model="hf") and (model="jaxtrain") gives log-likelihoods within 1e-4 and identical acc
-and acc_norm; a rolling (perplexity) task the same log-likelihoods but for lm-eval's scoring of the text's own
-BOS; and greedy generate_until the same text."""
+"""The lm-evaluation-harness adapter (jaxtrain/eval/adapter.py) against lm-eval's own Hugging Face
+backend on a random tiny LlamaForCausalLM (no download): the same local multiple-choice task run by
+lm_eval.simple_evaluate(model="hf") and (model="jaxtrain") gives log-likelihoods within 1e-4 and
+identical acc and acc_norm; a rolling (perplexity) task the same log-likelihoods but for lm-eval's
+scoring of the text's own BOS; and greedy generate_until the same text."""
 
 import json
 import logging
@@ -53,7 +53,8 @@ def lls(result, task: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def hf_with_specials(hf_dir, tmp_path_factory):
-  """hf_dir with a tokenizer_config.json naming BOS, EOS and padding, which lm-eval's HF backend reads."""
+  """hf_dir with a tokenizer_config.json naming BOS, EOS and padding, which lm-eval's HF backend
+  reads."""
   path = tmp_path_factory.mktemp("hf_lm_eval") / "model"
   shutil.copytree(hf_dir, path)
   (path / "tokenizer_config.json").write_text(json.dumps(
@@ -76,8 +77,9 @@ def test_jaxtrain_model_equals_the_hf_backend(hf_with_specials, tmp_path, monkey
   assert len(a) == len(b) > 24 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
   for metric in ("acc,none", "acc_norm,none"):
     assert got["results"]["local_mc"][metric] == want["results"]["local_mc"][metric]
-  # rolling: lm-eval's HF backend with add_bos_token=True encodes the text with its own BOS and scores it
-  # after the prefix BOS (BOS, BOS, text); jaxtrain scores the text after one BOS (tasks.py's convention).
+  # rolling: lm-eval's HF backend with add_bos_token=True encodes the text with its own BOS and
+  # scores it after the prefix BOS (BOS, BOS, text); jaxtrain scores the text after one BOS
+  # (tasks.py's convention).
   # The HF numbers are jaxtrain's scoring of that same sequence; the adapter's are jaxtrain's own.
   model = adapter.JaxtrainLM(hf_dir)
   bos = model.prefix_token_id
@@ -91,7 +93,8 @@ def test_jaxtrain_model_equals_the_hf_backend(hf_with_specials, tmp_path, monkey
 
 
 def test_greedy_generate_until_equals_the_hf_backend(hf_with_specials):
-  """Greedy continuations of BOS + context, cut at `until`, as lm-eval's HF backend generates them."""
+  """Greedy continuations of BOS + context, cut at `until`, as lm-eval's HF backend generates
+  them."""
   from lm_eval.api.instance import Instance
   from lm_eval.models.huggingface import HFLM
   logging.getLogger("lm_eval").setLevel(logging.ERROR)

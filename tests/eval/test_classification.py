@@ -1,6 +1,6 @@
-"""Classification tasks (eval/tasks.py): the predicted label is the argmax of log-likelihoods computed by a
-plain forward pass; acc and macro-F1 (eval/metrics.py) as scikit-learn's f1_score(average="macro"), checked by
-hand; label errors are one line."""
+"""Classification tasks (eval/tasks.py): the predicted label is the argmax of log-likelihoods
+computed by a plain forward pass; acc and macro-F1 (eval/metrics.py) as scikit-learn's
+f1_score(average="macro"), checked by hand; label errors are one line."""
 
 
 import flax.linen as nn
@@ -32,8 +32,8 @@ APPLY = jax.jit(lambda module, params, tokens_1L: module.apply({"params": params
 
 
 def loglikelihood(module, params, context: str, continuation: str) -> float:
-  """Sum of log-probs of the continuation's bytes after BOS + context, one plain forward pass (right padding to
-  32 slots cannot reach back through causal attention)."""
+  """Sum of log-probs of the continuation's bytes after BOS + context, one plain forward pass (right
+  padding to 32 slots cannot reach back through causal attention)."""
   ctx, cont = Bytes().encode(context), Bytes().encode(continuation)
   full = np.concatenate([[256], ctx, cont]).astype(np.int32)
   tokens_1L = np.zeros((1, 32), np.int32)

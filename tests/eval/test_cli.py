@@ -1,6 +1,6 @@
-"""`python -m jaxtrain eval` end to end on a HF directory and on the workdir `convert --from_hf` makes of it:
-a line per task metric, eval_results.json in the workdir, the numbers of jaxtrain.evaluate; bad input is one
-line on stderr and exit status 2."""
+"""`python -m jaxtrain eval` end to end on a HF directory and on the workdir `convert --from_hf`
+makes of it: a line per task metric, eval_results.json in the workdir, the numbers of
+jaxtrain.evaluate; bad input is one line on stderr and exit status 2."""
 
 import json
 import os
@@ -78,10 +78,11 @@ def test_bad_flags_are_one_line_and_exit_2(hf_dir, tmp_path, capsys, argv, messa
   assert err.count("\n") == 1 and message in err
 
 
-@pytest.mark.slow  # ~18 s, most of it compiling the train step; the converted workdir above covers --workdir
+# ~18 s, most of it compiling the train step; the converted workdir above covers --workdir
+@pytest.mark.slow
 def test_eval_on_a_trained_byte_workdir_writes_its_results(tmp_path, capsys):
-  """One training step on a byte corpus: eval reads the run's tokenizer and newest params, and writes the
-  numbers jaxtrain.evaluate gives for those params."""
+  """One training step on a byte corpus: eval reads the run's tokenizer and newest params, and
+  writes the numbers jaxtrain.evaluate gives for those params."""
   import jax
 
   import jaxtrain

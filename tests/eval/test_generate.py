@@ -1,6 +1,6 @@
-"""Generation (eval/generate.py) through the KV-cache sampler against a plain greedy argmax loop of full forward
-passes; stop ids and stop strings cut; the generate, code and dialogue task kinds end to end on a random byte
-model; answer extraction and SQuAD token F1 by hand."""
+"""Generation (eval/generate.py) through the KV-cache sampler against a plain greedy argmax loop of
+full forward passes; stop ids and stop strings cut; the generate, code and dialogue task kinds end
+to end on a random byte model; answer extraction and SQuAD token F1 by hand."""
 
 import json
 
@@ -24,7 +24,8 @@ MODEL = {"vocab_size": 260, "tie_embeddings": False, "init_std": 0.5}
 
 @pytest.fixture(scope="module")
 def byte_model():
-  """A random float32 byte-level model (vocab 260, max_seq_len 32, untied), its params and a Generator of 4 rows."""
+  """A random float32 byte-level model (vocab 260, max_seq_len 32, untied), its params and a
+  Generator of 4 rows."""
   cfg = ModelConfig.from_config(tiny_config(model=MODEL).model)
   module = Transformer(cfg)
   params = jax.tree.map(np.asarray, nn.unbox(
@@ -33,8 +34,9 @@ def byte_model():
 
 
 def greedy_reference(module, params, prompt_ids, n=N, width=32) -> np.ndarray:
-  """n tokens, each the argmax of a full forward pass over everything so far (no cache, no left padding; the
-  right padding to `width` slots cannot reach back through causal attention, and keeps one compilation)."""
+  """n tokens, each the argmax of a full forward pass over everything so far (no cache, no left
+  padding; the right padding to `width` slots cannot reach back through causal attention, and keeps
+  one compilation)."""
   ids = list(prompt_ids)
   for _ in range(n):
     tokens_1L = np.zeros((1, width), np.int32)
@@ -61,7 +63,8 @@ def test_greedy_generation_equals_a_plain_argmax_loop(byte_model):
 
 
 def test_generation_on_a_mesh_equals_one_device(byte_model):
-  """Rows over the data axes (3 rows round up to 8), params sharded by the fsdp rules: the same greedy ids."""
+  """Rows over the data axes (3 rows round up to 8), params sharded by the fsdp rules: the same
+  greedy ids."""
   cfg, _, params, gen = byte_model
   mesh = parallel.make_mesh(tiny_config(mesh={"data": 2, "fsdp": -1}).mesh)
   sharded = generate.Generator(score.Scorer(cfg, params, rows=3, mesh=mesh))
@@ -95,8 +98,8 @@ def test_sampling_is_reproducible_by_seed(byte_model):
 
 
 def test_generate_task_exact_match_after_stop_strings(tmp_path, byte_model):
-  """The gold answer of doc 0 is the greedy text up to a stop string taken from its middle (its first
-  occurrence, so the stop must cut for a match); doc 1's gold is wrong: exact_match 0.5."""
+  """The gold answer of doc 0 is the greedy text up to a stop string taken from its middle (its
+  first occurrence, so the stop must cut for a match); doc 1's gold is wrong: exact_match 0.5."""
   cfg, module, params, _ = byte_model
   prompt = np.concatenate([[256], Bytes().encode(PROMPTS[4])]).astype(np.int32)
   text = Bytes().decode(greedy_reference(module, params, prompt))
@@ -124,15 +127,16 @@ def test_exact_match_after_answer_extraction(text, gold, regex, expected):
 
 
 def test_squad_token_f1_by_hand():
-  # tokens "cat sat on mat" vs "cat sat": 2 common, precision 1, recall 1/2, F1 2/3 (articles and punctuation go)
+  # tokens "cat sat on mat" vs "cat sat": 2 common, precision 1, recall 1/2, F1 2/3 (articles and
+  # punctuation go)
   assert metrics.token_f1("The cat sat!", "A cat sat on the mat.") == pytest.approx(2 / 3)
   assert metrics.token_f1("", "") == 1.0 and metrics.token_f1("dog", "") == 0.0
   assert metrics.token_f1("Dog dog", "dog") == pytest.approx(2 / 3)
 
 
 def test_code_task_pass_at_k_counts_passes_failures_and_timeouts(tmp_path, byte_model):
-  """Sampled completions land in a comment (stop at the line's end), so the tests alone decide: a passing,
-  a failing and a hanging test, three samples each."""
+  """Sampled completions land in a comment (stop at the line's end), so the tests alone decide: a
+  passing, a failing and a hanging test, three samples each."""
   cfg, _, params, _ = byte_model
   path = write_jsonl(tmp_path / "code.jsonl", [
       {"task": {"kind": "code", "n": 3, "k": [1, 2], "temperature": 1.0, "max_new_tokens": N,
@@ -147,8 +151,8 @@ def test_code_task_pass_at_k_counts_passes_failures_and_timeouts(tmp_path, byte_
 
 
 def test_dialogue_prompt_through_the_chat_template_and_reply_scores(tmp_path):
-  """Bytes has no chat template: the default one (posttrain/data.py); the greedy reply is doc 0's reference
-  (a model of 64 positions, for the two turns' prompt)."""
+  """Bytes has no chat template: the default one (posttrain/data.py); the greedy reply is doc 0's
+  reference (a model of 64 positions, for the two turns' prompt)."""
   cfg = ModelConfig.from_config(tiny_config(model={**MODEL, "max_seq_len": 64}).model)
   module = Transformer(cfg)
   params = jax.tree.map(np.asarray, nn.unbox(
@@ -191,7 +195,8 @@ def test_bad_generative_files_are_one_error_line(tmp_path, lines, message):
 
 
 def test_a_tokenizers_own_chat_template_gives_the_prompt_and_its_end_of_turn_token(tmp_path):
-  """A template whose turns end with "<pad>" (a special token, id 2) rather than EOS: generation stops there."""
+  """A template whose turns end with "<pad>" (a special token, id 2) rather than EOS: generation
+  stops there."""
   from jaxtrain.data import tokenizers
   from jaxtrain.posttrain import data as post_data
   path = str(tmp_path / "tokenizer.json")

@@ -1,6 +1,7 @@
-"""jaxtrain's scoring against Hugging Face transformers: a random tiny LlamaForCausalLM, continuation
-log-likelihoods computed with torch directly (lm-eval's _encode_pair after BOS), within 1e-4, and the same
-acc and acc_norm on a generated multiple-choice task with one few-shot example."""
+"""jaxtrain's scoring against Hugging Face transformers: a random tiny LlamaForCausalLM,
+continuation log-likelihoods computed with torch directly (lm-eval's _encode_pair after BOS), within
+1e-4, and the same acc and acc_norm on a generated multiple-choice task with one few-shot
+example."""
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 
 def reference_pair(tok, bos, context, continuation):
-  """lm-evaluation-harness's _encode_pair with BOS before the context, on the tokenizers library directly."""
+  """lm-evaluation-harness's _encode_pair with BOS before the context, on the tokenizers library
+  directly."""
   spaces = len(context) - len(context.rstrip())
   if spaces:
     context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -61,4 +63,5 @@ def test_loglikelihoods_acc_and_acc_norm_equal_transformers(hf_dir, tmp_path):
   metrics = evaluate(hf_dir, [path], num_fewshot=1, seed=5)["mc"]
   assert (metrics["acc"], metrics["acc_norm"]) == (np.mean(acc), np.mean(acc_norm))
   assert metrics["docs"] == 8
-  assert metrics["acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / np.sqrt(8))  # lm-eval's sample stderr
+  # lm-eval's sample stderr
+  assert metrics["acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / np.sqrt(8))

@@ -1,6 +1,7 @@
-"""Task evaluation inside the training loop (eval.tasks, jaxtrain/eval/loop.py): rows at the due steps with
-the numbers jaxtrain.evaluate gives for the saved checkpoint, their time in goodput's eval badput, a resumed
-run that does not evaluate a step it logged again, and a bad eval config refused in one line."""
+"""Task evaluation inside the training loop (eval.tasks, jaxtrain/eval/loop.py): rows at the due
+steps with the numbers jaxtrain.evaluate gives for the saved checkpoint, their time in goodput's
+eval badput, a resumed run that does not evaluate a step it logged again, and a bad eval config
+refused in one line."""
 
 import os
 import shutil
@@ -40,8 +41,8 @@ def train(cfg, workdir):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A 4-step byte run evaluating two tasks every 2 steps (the first 2 docs, one-shot), checkpoints at steps 2
-  and 4."""
+  """A 4-step byte run evaluating two tasks every 2 steps (the first 2 docs, one-shot), checkpoints
+  at steps 2 and 4."""
   tmp_path = tmp_path_factory.mktemp("loop")
   cfg, paths = byte_config(tmp_path, limit=2, num_fewshot=1, seed=3)
   workdir = str(tmp_path / "run")
@@ -53,7 +54,8 @@ def test_rows_at_the_due_steps_equal_evaluate_of_the_checkpoint(trained):
   _, paths, workdir, final = trained
   rows = eval_rows(workdir)
   assert [r["step"] for r in rows] == [2, 4]
-  want = jaxtrain.evaluate(workdir, paths, num_fewshot=1, seed=3, limit=2)  # the newest checkpoint: step 4
+  # the newest checkpoint: step 4
+  want = jaxtrain.evaluate(workdir, paths, num_fewshot=1, seed=3, limit=2)
   got = {k: v for k, v in rows[-1].items() if k.startswith("eval/") and k != "eval/time_s"}
   assert got == pytest.approx({f"eval/{t}/{m}": v for t, ms in want.items() for m, v in ms.items()},
                               rel=1e-6)
@@ -71,8 +73,8 @@ def test_rows_at_the_due_steps_equal_evaluate_of_the_checkpoint(trained):
 
 
 def test_a_resumed_run_does_not_repeat_a_logged_evaluation(trained, tmp_path):
-  """The step-4 checkpoint lost (a crash after its row was logged): the rerun resumes from step 2 and
-  recomputes steps 3 and 4, but not step 4's evaluation."""
+  """The step-4 checkpoint lost (a crash after its row was logged): the rerun resumes from step 2
+  and recomputes steps 3 and 4, but not step 4's evaluation."""
   cfg, _, workdir, _ = trained
   copy = str(tmp_path / "run")
   shutil.copytree(workdir, copy)

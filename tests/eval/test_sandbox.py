@@ -1,6 +1,6 @@
-"""The code sandbox (eval/sandbox.py): passing, failing, hanging, forking, memory-hungry and network-using
-programs each end quickly with the right verdict and leave no process behind; pass@k (eval/metrics.py) against
-a hand computation and the combinatorial formula."""
+"""The code sandbox (eval/sandbox.py): passing, failing, hanging, forking, memory-hungry and
+network-using programs each end quickly with the right verdict and leave no process behind; pass@k
+(eval/metrics.py) against a hand computation and the combinatorial formula."""
 
 import math
 import os
@@ -47,7 +47,8 @@ def test_a_hanging_program_is_killed_at_the_time_limit():
 
 
 def test_a_fork_bomb_is_limited_and_killed_with_its_group(monkeypatch):
-  """Forks stop at the process limit; the survivors spin until the time limit kills the whole group."""
+  """Forks stop at the process limit; the survivors spin until the time limit kills the whole
+  group."""
   started = []
   popen = sandbox.subprocess.Popen
   monkeypatch.setattr(sandbox.subprocess, "Popen",

@@ -1,5 +1,6 @@
-"""Packed scoring (eval/score.py) against each request scored alone by a plain forward pass, left truncation
-included; rolling windows predict every token once; the same scores on an 8-device mesh."""
+"""Packed scoring (eval/score.py) against each request scored alone by a plain forward pass, left
+truncation included; rolling windows predict every token once; the same scores on an 8-device
+mesh."""
 
 import flax.linen as nn
 import jax
@@ -25,8 +26,9 @@ def model():
 
 
 def alone(module, params, reqs, seq_len=SEQ_LEN):
-  """(sum log-prob, is_greedy) of each request: its last seq_len + 1 tokens at the start of a row of its own
-  (right padding cannot reach back through causal attention), no segment ids, one plain forward pass."""
+  """(sum log-prob, is_greedy) of each request: its last seq_len + 1 tokens at the start of a row of
+  its own (right padding cannot reach back through causal attention), no segment ids, one plain
+  forward pass."""
   fulls = [np.concatenate([r.context, r.continuation])[-(seq_len + 1):] for r in reqs]
   tokens_BL = np.zeros((len(reqs), seq_len), np.int32)
   for b, full in enumerate(fulls):

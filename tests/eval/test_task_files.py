@@ -1,7 +1,8 @@
-"""The shipped task files (jaxtrain/eval/tasks_data, tools/make_eval_tasks.py) and lm-evaluation-harness task
-YAML over local files (eval/task_yaml.py): every file loads, the generator reproduces them byte for byte, a
-YAML gives the docs of the equivalent JSONL, what lies outside the supported subset is one error line, and
-the shipped log-likelihood tasks run end to end."""
+"""The shipped task files (jaxtrain/eval/tasks_data, tools/make_eval_tasks.py) and
+lm-evaluation-harness task YAML over local files (eval/task_yaml.py): every file loads, the
+generator reproduces them byte for byte, a YAML gives the docs of the equivalent JSONL, what lies
+outside the supported subset is one error line, and the shipped log-likelihood tasks run end to
+end."""
 
 import glob
 import os
@@ -28,8 +29,8 @@ SHIPPED = sorted(glob.glob(os.path.join(DATA, "*")))
 
 
 def test_every_shipped_file_loads_one_of_each_kind_in_tiny_symbols():
-  """Every kind ships; the synthetic ones tokenize with configs/tiny.py's tokenizer, their gold choice is
-  the context's copy and their label says whether the copy is there."""
+  """Every kind ships; the synthetic ones tokenize with configs/tiny.py's tokenizer, their gold
+  choice is the context's copy and their label says whether the copy is there."""
   data = jaxtrain.get_config("configs/tiny.py").data
   assert (make_eval_tasks.SYMBOLS, make_eval_tasks.MAX_SYMBOLS, make_eval_tasks.STOP_PROB) == (
       data.symbols, data.max_symbols, data.stop_prob)
@@ -110,7 +111,8 @@ def test_yaml_gives_the_docs_of_the_equivalent_jsonl(tmp_path, case):
 
 
 def test_without_jinja2_field_templates_still_render(tmp_path, monkeypatch):
-  """Without jinja2, "{{a}} + {{b}} =" is substituted field by field; an expression is refused by name."""
+  """Without jinja2, "{{a}} + {{b}} =" is substituted field by field; an expression is refused by
+  name."""
   with_jinja = _pair(tmp_path, "generate")[0]
   monkeypatch.setitem(sys.modules, "jinja2", None)  # import jinja2 -> ImportError
   assert tasks.load_task(str(tmp_path / "t.yaml")).docs == with_jinja.docs
@@ -136,8 +138,8 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_unsupported_yaml_is_one_line_naming_file_line_and_key(tmp_path, case, monkeypatch):
-  """A remote dataset, a !function, a URL data file, a metric jaxtrain does not compute: one ConfigError
-  line, and nothing imported that could download (datasets, huggingface_hub)."""
+  """A remote dataset, a !function, a URL data file, a metric jaxtrain does not compute: one
+  ConfigError line, and nothing imported that could download (datasets, huggingface_hub)."""
   text, line, message = BAD[case]
   write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
   write_jsonl(tmp_path / "shots.jsonl", QUESTIONS)
@@ -160,7 +162,8 @@ def symbol_model():
 
 
 def _direct_acc(scorer, tok, contexts, candidates, golds) -> float:
-  """The mean over docs of [argmax of each candidate's log-likelihood == gold], scored one doc at a time."""
+  """The mean over docs of [argmax of each candidate's log-likelihood == gold], scored one doc at a
+  time."""
   hits = []
   for context, cands, gold in zip(contexts, candidates, golds):
     lls = [s.logprob for s in scorer.loglikelihood([tasks.encode_pair(tok, context, " " + c) for c in cands])]
@@ -169,8 +172,9 @@ def _direct_acc(scorer, tok, contexts, candidates, golds) -> float:
 
 
 def test_evaluate_runs_the_shipped_choice_and_classification_tasks(symbol_model):
-  """limit=4 docs of the shipped multiple-choice (JSONL and YAML: the same numbers) and classification
-  files through jaxtrain.evaluate, acc equal to the argmax of log-likelihoods scored doc by doc."""
+  """limit=4 docs of the shipped multiple-choice (JSONL and YAML: the same numbers) and
+  classification files through jaxtrain.evaluate, acc equal to the argmax of log-likelihoods scored
+  doc by doc."""
   cfg, params, tok = symbol_model
   names = ["synthetic_copy_choice.jsonl", "synthetic_copy_choice.yaml", "synthetic_sep_or_eos.jsonl"]
   got = evaluate(params, [os.path.join(DATA, n) for n in names], config=cfg, tokenizer=tok, limit=4, rows=4)
@@ -190,7 +194,8 @@ def test_evaluate_runs_the_shipped_choice_and_classification_tasks(symbol_model)
 
 
 def test_a_doc_the_yaml_cannot_convert_is_one_line_naming_the_data_file_and_line(tmp_path):
-  """A template field a doc lacks (StrictUndefined, as lm-eval) or choices that are not a list literal."""
+  """A template field a doc lacks (StrictUndefined, as lm-eval) or choices that are not a list
+  literal."""
   write_jsonl(tmp_path / "q.jsonl", [QUESTIONS[0], {"question": "no numbers", "label": 0}])
   write_jsonl(tmp_path / "shots.jsonl", QUESTIONS)
   for body, line, message in [(CASES["generate"][0], 2, "template: 'a' is undefined"),
@@ -204,8 +209,8 @@ def test_a_doc_the_yaml_cannot_convert_is_one_line_naming_the_data_file_and_line
 
 
 def test_shipped_code_tasks_pass_a_solution_and_fail_a_stub():
-  """Each shipped code task's tests (run as the code kind runs them, in the sandbox) accept a correct body
-  and reject `return None`."""
+  """Each shipped code task's tests (run as the code kind runs them, in the sandbox) accept a
+  correct body and reject `return None`."""
   from jaxtrain.eval import generate, sandbox
   solutions = {"copy_document": "    s = ' '.join(map(str, half))\n    return f'< {s} | {s} >'\n",
                "is_copy": "    a, b = text.strip('<> ').split('|')\n    return a.split() == b.split()\n",

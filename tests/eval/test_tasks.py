@@ -1,5 +1,6 @@
-"""Task files (eval/tasks.py): acc and acc_norm as lm-evaluation-harness computes them, perplexity and
-bits-per-byte against a direct computation, few-shot contexts, and one-line errors naming file and line."""
+"""Task files (eval/tasks.py): acc and acc_norm as lm-evaluation-harness computes them, perplexity
+and bits-per-byte against a direct computation, few-shot contexts, and one-line errors naming file
+and line."""
 
 import json
 import math
@@ -31,8 +32,8 @@ def byte_model():
 
 
 def test_acc_norm_flips_the_choice_when_length_normalisation_does(tmp_path, byte_model):
-  """Among random strings, a short choice with the higher total log-likelihood and a long one with the higher
-  per-character log-likelihood: acc picks the short one, acc_norm the long (gold) one."""
+  """Among random strings, a short choice with the higher total log-likelihood and a long one with
+  the higher per-character log-likelihood: acc picks the short one, acc_norm the long (gold) one."""
   cfg, _, params, scorer = byte_model
   context, rng = "Pick one:", np.random.default_rng(0)
   candidates = ["".join(rng.choice(list("abcdefgh"), int(n))) for n in rng.integers(1, 7, 40)]
@@ -48,8 +49,8 @@ def test_acc_norm_flips_the_choice_when_length_normalisation_does(tmp_path, byte
 
 
 def test_perplexity_and_bits_per_byte_match_a_direct_computation(tmp_path, byte_model):
-  """One text shorter than the model (one forward pass after BOS) and one of three windows, each window run
-  alone; word and byte perplexity and bits per byte by lm-eval's formulas."""
+  """One text shorter than the model (one forward pass after BOS) and one of three windows, each
+  window run alone; word and byte perplexity and bits per byte by lm-eval's formulas."""
   cfg, module, params, _ = byte_model
   texts = ["the cat sat", "a much longer text that needs three windows of 32 bytes, or even more  "]
   bos = Bytes().bos
@@ -69,7 +70,8 @@ def test_perplexity_and_bits_per_byte_match_a_direct_computation(tmp_path, byte_
   total += window_logprob(ids[1][2 * SEQ_LEN - 1:2 * SEQ_LEN], ids[1][2 * SEQ_LEN:])
   path = write_jsonl(tmp_path / "wiki.jsonl", [{"text": t} for t in texts])
   got = evaluate(params, path, config=cfg, tokenizer=Bytes(), num_fewshot=3)["wiki"]
-  words = 3 + 15  # lm-eval: len(re.split(r"\s+", text)): 14 words, and the trailing spaces add an empty one
+  # lm-eval: len(re.split(r"\s+", text)): 14 words, and the trailing spaces add an empty one
+  words = 3 + 15
   n_bytes = sum(len(t) for t in texts)
   assert got["docs"] == 2
   assert got["word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-5)
