@@ -29,7 +29,8 @@ def multiple_choice_docs(n: int, seed: int = 0) -> list[dict]:
   docs = []
   for _ in range(n):
     context = " ".join(rng.choice(words, int(rng.integers(2, 6)))) + " then"
-    choices = [" ".join(rng.choice(words, int(k))) for k in rng.integers(1, 5, int(rng.integers(2, 5)))]
+    lengths = rng.integers(1, 5, int(rng.integers(2, 5)))
+    choices = [" ".join(rng.choice(words, int(k))) for k in lengths]
     docs.append({"context": context, "choices": choices, "gold": int(rng.integers(len(choices)))})
   return docs
 

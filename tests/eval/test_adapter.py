@@ -17,7 +17,8 @@ from tests.eval.conftest import multiple_choice_docs, write_jsonl
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the `eval` extra: pip install -e '.[eval]'")
+lm_eval = pytest.importorskip("lm_eval",
+                              reason="lm-eval is the `eval` extra: pip install -e '.[eval]'")
 adapter = pytest.importorskip("jaxtrain.eval.adapter")  # registers the "jaxtrain" model
 
 PPL_DOCS = [{"text": "The fox ran to the river."},
@@ -26,14 +27,16 @@ PPL_DOCS = [{"text": "The fox ran to the river."},
 
 def mc_task(path: str) -> dict:
   """A local multiple-choice task as an lm-eval task config (dataset_path: json on a local file)."""
-  return {"task": "local_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": path}},
+  return {"task": "local_mc", "dataset_path": "json",
+          "dataset_kwargs": {"data_files": {"test": path}},
           "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
           "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}", "target_delimiter": " ",
           "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}
 
 
 def ppl_task(path: str) -> dict:
-  return {"task": "local_ppl", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": path}},
+  return {"task": "local_ppl", "dataset_path": "json",
+          "dataset_kwargs": {"data_files": {"test": path}},
           "test_split": "test", "output_type": "loglikelihood_rolling", "doc_to_text": "",
           "doc_to_target": "{{text}}", "metric_list": [{"metric": "word_perplexity"}]}
 
@@ -85,7 +88,8 @@ def test_jaxtrain_model_equals_the_hf_backend(hf_with_specials, tmp_path, monkey
   bos = model.prefix_token_id
   texts = [d["text"] for d in PPL_DOCS]
   as_hf = model.scorer.loglikelihood([score.Request(np.array([bos], np.int32),
-                                                    np.array([bos, *model.tok_encode(t, False)], np.int32))
+                                                    np.array([bos, *model.tok_encode(t, False)],
+                                                             np.int32))
                                       for t in texts])
   assert max(abs(x.logprob - y) for x, y in zip(as_hf, lls(want, "local_ppl"))) < 1e-4
   own = model.scorer.rolling_loglikelihood([model.tok_encode(t, False) for t in texts], bos)
@@ -98,9 +102,11 @@ def test_greedy_generate_until_equals_the_hf_backend(hf_with_specials):
   from lm_eval.api.instance import Instance
   from lm_eval.models.huggingface import HFLM
   logging.getLogger("lm_eval").setLevel(logging.ERROR)
-  kwargs = [{"until": ["river"], "max_gen_toks": 12, "do_sample": False}, {"until": "\n\n", "max_gen_toks": 6}]
+  kwargs = [{"until": ["river"], "max_gen_toks": 12, "do_sample": False},
+            {"until": "\n\n", "max_gen_toks": 6}]
   reqs = [Instance("generate_until", {}, (context, kw), i)
-          for i, (context, kw) in enumerate(zip(["The fox ran", "One day it", "Every day the"], kwargs * 2))]
+          for i, (context, kw) in enumerate(zip(["The fox ran", "One day it", "Every day the"],
+                                                kwargs * 2))]
   want = HFLM(pretrained=hf_with_specials, add_bos_token=True, dtype="float32", device="cpu",
               batch_size=2).generate_until(reqs, disable_tqdm=True)
   got = adapter.JaxtrainLM(hf_with_specials, rows=2).generate_until(reqs)

@@ -50,11 +50,13 @@ def test_classification_acc_and_macro_f1_against_a_direct_computation(tmp_path):
   params = jax.tree.map(np.asarray, nn.unbox(
       jax.jit(module.init)(jax.random.key(5), jnp.zeros((1, 8), jnp.int32))["params"]))
   contexts = ["Is it raining?", "Answer:", "Do cats fly", "Sky is blue", "Two is even", "Maybe not"]
-  predicted = [LABELS[int(np.argmax([loglikelihood(module, params, c, " " + label) for label in LABELS]))]
+  predicted = [LABELS[int(np.argmax([loglikelihood(module, params, c, " " + label)
+                                     for label in LABELS]))]
                for c in contexts]
   gold = ["yes", "no", "no", "maybe", predicted[4], "yes"]
-  path = write_jsonl(tmp_path / "cls.jsonl", [{"task": {"kind": "classification", "labels": LABELS}},
-                                             *[{"context": c, "label": g} for c, g in zip(contexts, gold)]])
+  header = {"task": {"kind": "classification", "labels": LABELS}}
+  path = write_jsonl(tmp_path / "cls.jsonl",
+                     [header, *[{"context": c, "label": g} for c, g in zip(contexts, gold)]])
   got = evaluate(params, [path], config=cfg, tokenizer=Bytes())["cls"]
   acc = np.mean([p == g for p, g in zip(predicted, gold)])
   assert got["acc"] == pytest.approx(acc) and 0 < acc < 1
@@ -68,7 +70,8 @@ def test_classification_acc_and_macro_f1_against_a_direct_computation(tmp_path):
     ([{"task": {"kind": "classification", "labels": ["x", "x"]}}, {"context": "a", "label": "x"}],
      "1: the header's 'labels' must be a non-empty list"),
     ([{"context": "a", "label": "x"}], "1: classification: the header needs 'labels'"),
-    ([{"task": {"labels": ["x", "y"]}}, {"context": "a", "label": "x"}, {"context": "b", "label": "z"}],
+    ([{"task": {"labels": ["x", "y"]}}, {"context": "a", "label": "x"},
+      {"context": "b", "label": "z"}],
      "3: classification: label 'z' is not one of the header's labels"),
     ([{"task": {"labels": ["x"]}}, {"context": "a", "label": 1}],
      "2: classification: needs a string field 'label'"),

@@ -51,9 +51,12 @@ def test_eval_from_hf_and_from_its_converted_workdir(hf_dir, task_files, tmp_pat
 
 @pytest.mark.parametrize("line, message", [
     ("{oops", "mc.jsonl:2: not JSON"),
-    ('{"context": "Q:", "choices": [], "gold": 0}', "mc.jsonl:2: multiple_choice: 'choices' must be a non-empty"),
-    ('{"context": "Q:", "choices": ["a"], "gold": 1}', "mc.jsonl:2: multiple_choice: 'gold' must be an integer"),
-    ('{"choices": ["a"], "gold": 0}', "mc.jsonl:2: multiple_choice: needs a string field 'context'"),
+    ('{"context": "Q:", "choices": [], "gold": 0}',
+     "mc.jsonl:2: multiple_choice: 'choices' must be a non-empty"),
+    ('{"context": "Q:", "choices": ["a"], "gold": 1}',
+     "mc.jsonl:2: multiple_choice: 'gold' must be an integer"),
+    ('{"choices": ["a"], "gold": 0}',
+     "mc.jsonl:2: multiple_choice: needs a string field 'context'"),
 ])
 def test_bad_task_file_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, line, message):
   path = tmp_path / "mc.jsonl"
@@ -67,7 +70,8 @@ def test_bad_task_file_is_one_line_and_exit_2(hf_dir, tmp_path, capsys, line, me
     (["--tasks", "x.jsonl"], "one of the arguments --workdir --from_hf is required"),
     (["--from_hf", "{hf}", "--tasks", "{tmp}/missing.jsonl"], "missing.jsonl: no such task file"),
     (["--from_hf", "{hf}", "--tasks", "{tmp}/t.jsonl", "--limit", "0"], "limit=0"),
-    (["--from_hf", "{hf}", "--tasks", "{tmp}/t.jsonl", "--num_fewshot", "5"], "needs 6 few-shot docs, has 1"),
+    (["--from_hf", "{hf}", "--tasks", "{tmp}/t.jsonl", "--num_fewshot", "5"],
+     "needs 6 few-shot docs, has 1"),
     (["--workdir", "{tmp}/none", "--tasks", "{tmp}/t.jsonl"], "no such directory"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(hf_dir, tmp_path, capsys, argv, message):

@@ -170,7 +170,8 @@ def test_dialogue_prompt_through_the_chat_template_and_reply_scores(tmp_path):
   assert reply.strip()
   path = write_jsonl(tmp_path / "chat.jsonl", [
       {"task": {"kind": "dialogue", "max_new_tokens": 6}},
-      {"messages": messages, "reference": reply}, {"messages": messages, "reference": reply + " extra"}])
+      {"messages": messages, "reference": reply},
+      {"messages": messages, "reference": reply + " extra"}])
   got = evaluate(params, [path], config=cfg, tokenizer=Bytes())["chat"]
   assert (got["exact_match"], got["truncated"]) == (0.5, 0)
   assert got["f1"] == pytest.approx((1 + metrics.token_f1(reply, reply + " extra")) / 2)

@@ -34,7 +34,8 @@ def test_loglikelihoods_acc_and_acc_norm_equal_transformers(hf_dir, tmp_path):
 
   tok = tokenizers.Tokenizer.from_file(f"{hf_dir}/tokenizer.json")
   bos = tok.token_to_id("<s>")
-  model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+  model = transformers.LlamaForCausalLM.from_pretrained(hf_dir,
+                                                        attn_implementation="eager").float().eval()
   want, want_greedy, pairs = [], [], []
   with torch.no_grad():
     for ctx, doc in zip(contexts, docs):
@@ -48,7 +49,8 @@ def test_loglikelihoods_acc_and_acc_norm_equal_transformers(hf_dir, tmp_path):
         want_greedy.append(bool((logits[-len(cont):].argmax(-1) == targets).all()))
 
   cfg, params, extra, tokenizer = harness.load_model(hf_dir)
-  requests = [tasks.encode_pair(tokenizer, ctx, " " + c) for ctx, doc in zip(contexts, docs) for c in doc["choices"]]
+  requests = [tasks.encode_pair(tokenizer, ctx, " " + c)
+              for ctx, doc in zip(contexts, docs) for c in doc["choices"]]
   assert [(list(r.context), list(r.continuation)) for r in requests] == pairs
   got = score.Scorer(cfg, params, extra, rows=4).loglikelihood(requests)
   assert max(abs(g.logprob - w) for g, w in zip(got, want)) < 1e-4

@@ -24,7 +24,8 @@ def byte_config(tmp_path, **eval_section):
       {"context": "the fox ran to the", "choices": ["river", "fox", "sea"], "gold": 0},
       {"context": "the fox", "choices": ["ran", "drank water"], "gold": 0},
       {"context": "and", "choices": ["drank", "the"], "gold": 0}])
-  ppl = write_jsonl(tmp_path / "wiki.jsonl", [{"text": "the fox ran"}, {"text": "to the river bank"}])
+  ppl = write_jsonl(tmp_path / "wiki.jsonl", [{"text": "the fox ran"},
+                                              {"text": "to the river bank"}])
   return tiny_config(model={"vocab_size": 260}, data={"kind": "bytes", "path": str(corpus)},
                      train={"steps": 4, "eval_every": 0}, mesh={"data": 1},
                      checkpoint={"every_steps": 2},
@@ -36,7 +37,8 @@ def eval_rows(workdir):
 
 
 def train(cfg, workdir):
-  return jaxtrain.train(cfg, workdir, devices=jax.devices()[:1], progress=False, sync_every_step=True)
+  return jaxtrain.train(cfg, workdir, devices=jax.devices()[:1], progress=False,
+                        sync_every_step=True)
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,8 @@ def test_children_left_behind_by_a_passing_program_are_killed(monkeypatch):
   popen = sandbox.subprocess.Popen
   monkeypatch.setattr(sandbox.subprocess, "Popen",
                       lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
-  verdict = sandbox.run_program("import os, time\nif os.fork() == 0:\n  time.sleep(60)\n", timeout_s=5.0)
+  verdict = sandbox.run_program("import os, time\nif os.fork() == 0:\n  time.sleep(60)\n",
+                                timeout_s=5.0)
   assert verdict.status == "passed" and verdict.seconds < 4.0
   assert gone(started[0].pid)
 

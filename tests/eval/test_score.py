@@ -39,7 +39,8 @@ def alone(module, params, reqs, seq_len=SEQ_LEN):
   for b, (r, full) in enumerate(zip(reqs, fulls)):
     slots = np.arange(len(full) - 1)[-len(r.continuation):]
     targets = full[1:][-len(r.continuation):]
-    out.append((logp_BLV[b, slots, targets].sum(), bool(np.all(logits_BLV[b, slots].argmax(-1) == targets))))
+    greedy = bool(np.all(logits_BLV[b, slots].argmax(-1) == targets))
+    out.append((logp_BLV[b, slots, targets].sum(), greedy))
   return out
 
 
@@ -107,8 +108,10 @@ def test_requests_that_cannot_be_scored_are_one_line(model, context, continuatio
 
 def test_a_token_outside_the_vocabulary_is_one_line(model):
   cfg, _, params = model
-  with pytest.raises(config_lib.ConfigError, match=r"token id 64 is outside the model's vocabulary"):
-    score.Scorer(cfg, params).loglikelihood([score.Request(np.ones(2, np.int32), np.array([64], np.int32))])
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"token id 64 is outside the model's vocabulary"):
+    request = score.Request(np.ones(2, np.int32), np.array([64], np.int32))
+    score.Scorer(cfg, params).loglikelihood([request])
 
 
 def test_sharded_over_a_mesh_equals_one_device(model):

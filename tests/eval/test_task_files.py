@@ -61,7 +61,8 @@ def test_generator_reproduces_the_shipped_files_byte_for_byte(tmp_path):
       assert new.read() == old.read(), path
 
 
-QUESTIONS = [{"question": f"  is {a} more than {b}? ", "label": int(a <= b), "sum": a + b, "a": a, "b": b}
+QUESTIONS = [{"question": f"  is {a} more than {b}? ", "label": int(a <= b), "sum": a + b, "a": a,
+              "b": b}
              for a, b in [(3, 1), (2, 5), (7, 7), (9, 4), (1, 8), (6, 2)]]
 YAML_HEAD = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: q.jsonl\n    train: shots.jsonl\n" \
             "test_split: test\nfewshot_split: train\n"
@@ -69,8 +70,8 @@ CASES = {
     # a Jinja expression, a list literal of choices, the target a column holding an index
     "choice_list": ("output_type: multiple_choice\ndoc_to_text: \"Q: {{question.strip()}}\\nA:\"\n"
                     "doc_to_choice: [\"yes\", \"no\"]\ndoc_to_target: label\n",
-                    lambda d: {"context": f"Q: {d['question'].strip()}\nA:", "choices": ["yes", "no"],
-                               "gold": d["label"]}, {}),
+                    lambda d: {"context": f"Q: {d['question'].strip()}\nA:",
+                               "choices": ["yes", "no"], "gold": d["label"]}, {}),
     # choices a template rendering a list, the target a template rendering a choice's text
     "choice_template": ("output_type: multiple_choice\ndoc_to_text: question\n"
                         "doc_to_choice: \"{{['more', 'not more']}}\"\n"
@@ -102,7 +103,8 @@ def _pair(tmp_path, case: str):
 @pytest.mark.parametrize("case", list(CASES))
 def test_yaml_gives_the_docs_of_the_equivalent_jsonl(tmp_path, case):
   from_yaml, own = _pair(tmp_path, case)
-  assert (from_yaml.kind, from_yaml.docs, from_yaml.fewshot_docs) == (own.kind, own.docs, own.fewshot_docs)
+  assert (from_yaml.kind, from_yaml.docs, from_yaml.fewshot_docs) == (own.kind, own.docs,
+                                                                      own.fewshot_docs)
   assert (from_yaml.target_delimiter, from_yaml.fewshot_delimiter, from_yaml.options) == (
       own.target_delimiter, own.fewshot_delimiter, own.options)
   assert len(from_yaml.docs) == 4 and len(from_yaml.fewshot_docs) == 2
@@ -127,7 +129,8 @@ BAD = {
                "'dataset_path': 'allenai/ai2_arc' is not local"),
     "function": (YAML_HEAD + "output_type: multiple_choice\ndoc_to_text: !function utils.doc_to_text\n"
                  "doc_to_choice: [a, b]\ndoc_to_target: 0\n", 9, "'doc_to_text': !function"),
-    "process_docs": (YAML_HEAD + "process_docs: !function utils.process_docs\n", 8, "'process_docs': !function"),
+    "process_docs": (YAML_HEAD + "process_docs: !function utils.process_docs\n", 8,
+                     "'process_docs': !function"),
     "url": ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: https://example.com/q.jsonl\n"
             "test_split: test\n", 2, "'dataset_kwargs': data_files must map splits to local paths"),
     "metric": (YAML_HEAD + "output_type: multiple_choice\ndoc_to_text: question\ndoc_to_choice: [a, b]\n"
@@ -147,7 +150,8 @@ def test_unsupported_yaml_is_one_line_naming_file_line_and_key(tmp_path, case, m
   path.write_text(text)
   for name in ("datasets", "huggingface_hub", "lm_eval"):
     monkeypatch.setitem(sys.modules, name, None)
-  with pytest.raises(config_lib.ConfigError, match=f"^{re.escape(str(path))}:{line}: {message}") as e:
+  with pytest.raises(config_lib.ConfigError,
+                     match=f"^{re.escape(str(path))}:{line}: {message}") as e:
     tasks.load_task(str(path))
   assert "\n" not in str(e.value)
 
@@ -166,7 +170,8 @@ def _direct_acc(scorer, tok, contexts, candidates, golds) -> float:
   time."""
   hits = []
   for context, cands, gold in zip(contexts, candidates, golds):
-    lls = [s.logprob for s in scorer.loglikelihood([tasks.encode_pair(tok, context, " " + c) for c in cands])]
+    requests = [tasks.encode_pair(tok, context, " " + c) for c in cands]
+    lls = [s.logprob for s in scorer.loglikelihood(requests)]
     hits.append(float(np.argmax(lls) == gold))
   return float(np.mean(hits))
 
@@ -176,15 +181,18 @@ def test_evaluate_runs_the_shipped_choice_and_classification_tasks(symbol_model)
   classification files through jaxtrain.evaluate, acc equal to the argmax of log-likelihoods scored
   doc by doc."""
   cfg, params, tok = symbol_model
-  names = ["synthetic_copy_choice.jsonl", "synthetic_copy_choice.yaml", "synthetic_sep_or_eos.jsonl"]
-  got = evaluate(params, [os.path.join(DATA, n) for n in names], config=cfg, tokenizer=tok, limit=4, rows=4)
+  names = ["synthetic_copy_choice.jsonl", "synthetic_copy_choice.yaml",
+           "synthetic_sep_or_eos.jsonl"]
+  got = evaluate(params, [os.path.join(DATA, n) for n in names], config=cfg, tokenizer=tok, limit=4,
+                 rows=4)
   choice, yaml_choice, labels = (got["synthetic_copy_choice"], got["synthetic_copy_choice_yaml"],
                                  got["synthetic_sep_or_eos"])
   assert choice == yaml_choice
   assert (choice["docs"], choice["truncated"], labels["docs"], labels["truncated"]) == (4, 0, 4, 0)
   scorer = score.Scorer(cfg, params, rows=4)
   mc = tasks.load_task(os.path.join(DATA, names[0])).docs[:4]
-  assert choice["acc"] == _direct_acc(scorer, tok, [d["context"] for d in mc], [d["choices"] for d in mc],
+  assert choice["acc"] == _direct_acc(scorer, tok, [d["context"] for d in mc],
+                                      [d["choices"] for d in mc],
                                       [d["gold"] for d in mc])
   cls = tasks.load_task(os.path.join(DATA, names[2]))
   assert labels["acc"] == _direct_acc(scorer, tok, [d["context"] for d in cls.docs[:4]],
@@ -199,10 +207,12 @@ def test_a_doc_the_yaml_cannot_convert_is_one_line_naming_the_data_file_and_line
   write_jsonl(tmp_path / "q.jsonl", [QUESTIONS[0], {"question": "no numbers", "label": 0}])
   write_jsonl(tmp_path / "shots.jsonl", QUESTIONS)
   for body, line, message in [(CASES["generate"][0], 2, "template: 'a' is undefined"),
-                              (CASES["choice_list"][0].replace('["yes", "no"]', '"{{question}}"'), 1,
+                              (CASES["choice_list"][0].replace('["yes", "no"]', '"{{question}}"'),
+                               1,
                                "doc_to_choice renders ' is 3 more than 1\\? ', not a list literal")]:
     (tmp_path / "t.yaml").write_text(YAML_HEAD + body)
-    with pytest.raises(config_lib.ConfigError, match=f"^{re.escape(str(tmp_path / 'q.jsonl'))}:{line}: {message} "
+    with pytest.raises(config_lib.ConfigError,
+                       match=f"^{re.escape(str(tmp_path / 'q.jsonl'))}:{line}: {message} "
                                                      r"\(task .*t\.yaml\)$") as e:
       tasks.load_task(str(tmp_path / "t.yaml"))
     assert "\n" not in str(e.value)
@@ -219,4 +229,5 @@ def test_shipped_code_tasks_pass_a_solution_and_fail_a_stub():
   assert sorted(d["entry_point"] for d in task.docs) == sorted(solutions)
   for doc in task.docs:
     run = lambda body: sandbox.run_program(generate.program(doc, body), 5.0, 512).passed
-    assert (run(solutions[doc["entry_point"]]), run("    return None\n")) == (True, False), doc["entry_point"]
+    verdicts = (run(solutions[doc["entry_point"]]), run("    return None\n"))
+    assert verdicts == (True, False), doc["entry_point"]

@@ -43,7 +43,8 @@ def test_acc_norm_flips_the_choice_when_length_normalisation_does(tmp_path, byte
               if len(candidates[l]) > len(candidates[s]) and lls[s] > lls[l]
               and lls[s] / len(candidates[s]) < lls[l] / len(candidates[l]))
   short, long = (candidates[i] for i in pair)
-  path = write_jsonl(tmp_path / "flip.jsonl", [{"query": context, "choices": [short, long], "gold": 1}])
+  path = write_jsonl(tmp_path / "flip.jsonl",
+                     [{"query": context, "choices": [short, long], "gold": 1}])
   got = evaluate(params, [path], config=cfg, tokenizer=Bytes())["flip"]
   assert (got["acc"], got["acc_norm"], got["docs"], got["truncated"]) == (0.0, 1.0, 1, 0)
 
@@ -57,7 +58,8 @@ def test_perplexity_and_bits_per_byte_match_a_direct_computation(tmp_path, byte_
 
   def window_logprob(context, continuation):
     full = np.concatenate([context, continuation]).astype(np.int32)
-    logits_LV = np.asarray(jax.jit(module.apply)({"params": params}, full[None, :-1]), np.float64)[0]
+    logits_LV = np.asarray(jax.jit(module.apply)({"params": params}, full[None, :-1]),
+                           np.float64)[0]
     logp_LV = logits_LV - np.log(np.exp(logits_LV).sum(-1, keepdims=True))
     n = len(continuation)
     return logp_LV[np.arange(len(full) - 1)[-n:], full[1:][-n:]].sum()
@@ -90,7 +92,8 @@ def test_fewshot_contexts_are_seeded_solved_examples_without_the_doc_itself(tmp_
     for part in parts[:2]:
       j = int(part[1:part.index(":")])
       assert j != i and part == f"Q{j}: {['no', 'yes'][j % 2]}"
-  header = {"task": {"target_delimiter": "=", "fewshot_delimiter": "|", "fewshot_file": "shots.jsonl"}}
+  header = {"task": {"target_delimiter": "=", "fewshot_delimiter": "|",
+                     "fewshot_file": "shots.jsonl"}}
   write_jsonl(tmp_path / "shots.jsonl", [{"query": "S:", "choices": ["x"], "gold": 0}])
   task = tasks.load_task(write_jsonl(tmp_path / "qa2.jsonl", [header, *docs[:2]]))
   assert tasks.fewshot_contexts(task, 1, seed=0) == ["S:=x|Q0:", "S:=x|Q1:"]
@@ -100,19 +103,24 @@ def test_fewshot_contexts_are_seeded_solved_examples_without_the_doc_itself(tmp_
 
 def test_encode_pair_moves_the_contexts_trailing_space_to_the_continuation():
   request = tasks.encode_pair(Bytes(), "Answer: ", "yes")
-  assert list(request.context) == [Bytes().bos, *b"Answer:"] and list(request.continuation) == list(b" yes")
+  assert list(request.context) == [Bytes().bos, *b"Answer:"]
+  assert list(request.continuation) == list(b" yes")
 
 
 GOOD = {"context": "Q:", "choices": ["a", "b"], "gold": 0}
 BAD_LINES = [
     ("{not json", "2: not JSON"),
     ('["a", "list"]', "2: expected a JSON object, got list"),
-    (json.dumps({"choices": ["a"], "gold": 0}), "2: multiple_choice: needs a string field 'context'"),
-    (json.dumps({"context": "Q:", "choices": [], "gold": 0}), "2: multiple_choice: 'choices' must be a non-empty"),
-    (json.dumps({"context": "Q:", "choices": ["a", 3], "gold": 0}), "2: multiple_choice: every choice"),
-    (json.dumps({"context": "Q:", "choices": ["a", "b"], "gold": 2}), r"2: multiple_choice: 'gold' must be an "
-                                                                       r"integer in \[0, 2\), got 2"),
-    (json.dumps({"context": "Q:", "choices": ["a", "b"], "gold": True}), "2: multiple_choice: 'gold' must be"),
+    (json.dumps({"choices": ["a"], "gold": 0}),
+     "2: multiple_choice: needs a string field 'context'"),
+    (json.dumps({"context": "Q:", "choices": [], "gold": 0}),
+     "2: multiple_choice: 'choices' must be a non-empty"),
+    (json.dumps({"context": "Q:", "choices": ["a", 3], "gold": 0}),
+     "2: multiple_choice: every choice"),
+    (json.dumps({"context": "Q:", "choices": ["a", "b"], "gold": 2}),
+     r"2: multiple_choice: 'gold' must be an integer in \[0, 2\), got 2"),
+    (json.dumps({"context": "Q:", "choices": ["a", "b"], "gold": True}),
+     "2: multiple_choice: 'gold' must be"),
     (json.dumps({"context": "Q:", "choices": ["a", "b"]}), "2: multiple_choice: 'gold' must be"),
 ]
 
@@ -130,9 +138,12 @@ def test_a_bad_line_is_one_error_line_naming_file_and_line(tmp_path, line, messa
     ([], "no records"),
     ([{"question": "?"}], "1: cannot tell the task kind"),
     ([{"task": {"kind": "essay"}}, GOOD], "1: task kind 'essay' is not one of"),
-    ([{"task": {"delimiter": " "}}, GOOD], "1: the header's 'delimiter' is not an option of a multiple_choice task"),
-    ([{"task": {"target_delimiter": 1}}, GOOD], "1: the header's 'target_delimiter' must be a string"),
-    ([{"task": {"kind": "perplexity"}}, GOOD], "2: perplexity: needs a non-empty string field 'text'"),
+    ([{"task": {"delimiter": " "}}, GOOD],
+     "1: the header's 'delimiter' is not an option of a multiple_choice task"),
+    ([{"task": {"target_delimiter": 1}}, GOOD],
+     "1: the header's 'target_delimiter' must be a string"),
+    ([{"task": {"kind": "perplexity"}}, GOOD],
+     "2: perplexity: needs a non-empty string field 'text'"),
 ])
 def test_bad_files_are_one_error_line(tmp_path, lines, message):
   path = write_jsonl(tmp_path / "bad.jsonl", lines)
