@@ -45,7 +45,8 @@ def run(model: str, model_args: str, tasks: list[dict]):
   for name in ("lm_eval", "lm-eval"):
     logging.getLogger(name).setLevel(logging.ERROR)
   return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks, device="cpu",
-                                 batch_size=4, bootstrap_iters=0, log_samples=True, verbosity="ERROR")
+                                 batch_size=4, bootstrap_iters=0, log_samples=True,
+                                 verbosity="ERROR")
 
 
 def lls(result, task: str) -> list[float]:

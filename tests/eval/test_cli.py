@@ -17,8 +17,8 @@ from tests.eval.conftest import multiple_choice_docs, write_jsonl
 def task_files(tmp_path_factory):
   root = tmp_path_factory.mktemp("tasks")
   mc = write_jsonl(root / "mc.jsonl", multiple_choice_docs(6, seed=1))
-  ppl = write_jsonl(root / "wiki.jsonl", [{"text": "The fox ran to the river."},
-                                          {"text": "One day it met a bear who was fishing in the river."}])
+  texts = ["The fox ran to the river.", "One day it met a bear who was fishing in the river."]
+  ppl = write_jsonl(root / "wiki.jsonl", [{"text": t} for t in texts])
   return mc, ppl
 
 
@@ -99,8 +99,8 @@ def test_eval_on_a_trained_byte_workdir_writes_its_results(tmp_path, capsys):
                     train={"steps": 1}, mesh={"data": 1})
   workdir = str(tmp_path / "run")
   jaxtrain.train(cfg, workdir, devices=jax.devices()[:1], progress=False, sync_every_step=True)
-  tasks_path = write_jsonl(tmp_path / "fox.jsonl", [{"text": "the fox ran"},
-                                                    {"text": "to the river, and far beyond the river bank"}])
+  texts = ["the fox ran", "to the river, and far beyond the river bank"]
+  tasks_path = write_jsonl(tmp_path / "fox.jsonl", [{"text": t} for t in texts])
   assert cli.main(["eval", "--workdir", workdir, "--tasks", tasks_path]) == 0
   saved = json.load(open(os.path.join(workdir, "eval_results.json")))["results"]["fox"]
   config, params, _ = pretrained.read_step(workdir)

@@ -202,7 +202,8 @@ def test_a_tokenizers_own_chat_template_gives_the_prompt_and_its_end_of_turn_tok
   from jaxtrain.posttrain import data as post_data
   path = str(tmp_path / "tokenizer.json")
   tok = tokenizers.train_bpe(["hello there, how are you", "fine thanks"] * 20, 300, path)
-  template = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}<pad>\n{% endfor %}"
+  template = ("{{ bos_token }}{% for m in messages %}"
+              "{{ m.role }}: {{ m.content }}<pad>\n{% endfor %}"
               "{% if add_generation_prompt %}assistant: {% endif %}")
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
   messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"},

@@ -64,8 +64,9 @@ def test_generator_reproduces_the_shipped_files_byte_for_byte(tmp_path):
 QUESTIONS = [{"question": f"  is {a} more than {b}? ", "label": int(a <= b), "sum": a + b, "a": a,
               "b": b}
              for a, b in [(3, 1), (2, 5), (7, 7), (9, 4), (1, 8), (6, 2)]]
-YAML_HEAD = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: q.jsonl\n    train: shots.jsonl\n" \
-            "test_split: test\nfewshot_split: train\n"
+YAML_HEAD = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+             "    test: q.jsonl\n    train: shots.jsonl\n"
+             "test_split: test\nfewshot_split: train\n")
 CASES = {
     # a Jinja expression, a list literal of choices, the target a column holding an index
     "choice_list": ("output_type: multiple_choice\ndoc_to_text: \"Q: {{question.strip()}}\\nA:\"\n"
@@ -75,10 +76,12 @@ CASES = {
     # choices a template rendering a list, the target a template rendering a choice's text
     "choice_template": ("output_type: multiple_choice\ndoc_to_text: question\n"
                         "doc_to_choice: \"{{['more', 'not more']}}\"\n"
-                        "doc_to_target: \"{{'more' if a > b else 'not more'}}\"\ntarget_delimiter: \": \"\n",
+                        "doc_to_target: \"{{'more' if a > b else 'not more'}}\"\n"
+                        "target_delimiter: \": \"\n",
                         lambda d: {"context": d["question"], "choices": ["more", "not more"],
                                    "gold": d["label"]}, {"target_delimiter": ": "}),
-    "generate": ("output_type: generate_until\ndoc_to_text: \"{{a}} + {{b}} =\"\ndoc_to_target: sum\n"
+    "generate": ("output_type: generate_until\ndoc_to_text: \"{{a}} + {{b}} =\"\n"
+                 "doc_to_target: sum\n"
                  "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 16\n  do_sample: false\n",
                  lambda d: {"context": f"{d['a']} + {d['b']} =", "answer": str(d["sum"])},
                  {"kind": "generate", "until": ["\n"], "max_new_tokens": 16}),
@@ -127,14 +130,17 @@ def test_without_jinja2_field_templates_still_render(tmp_path, monkeypatch):
 BAD = {
     "remote": ("dataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\ntest_split: test\n", 1,
                "'dataset_path': 'allenai/ai2_arc' is not local"),
-    "function": (YAML_HEAD + "output_type: multiple_choice\ndoc_to_text: !function utils.doc_to_text\n"
+    "function": (YAML_HEAD + "output_type: multiple_choice\n"
+                 "doc_to_text: !function utils.doc_to_text\n"
                  "doc_to_choice: [a, b]\ndoc_to_target: 0\n", 9, "'doc_to_text': !function"),
     "process_docs": (YAML_HEAD + "process_docs: !function utils.process_docs\n", 8,
                      "'process_docs': !function"),
-    "url": ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: https://example.com/q.jsonl\n"
+    "url": ("dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            "    test: https://example.com/q.jsonl\n"
             "test_split: test\n", 2, "'dataset_kwargs': data_files must map splits to local paths"),
-    "metric": (YAML_HEAD + "output_type: multiple_choice\ndoc_to_text: question\ndoc_to_choice: [a, b]\n"
-               "doc_to_target: label\nmetric_list:\n  - metric: mcc\n", 12, "'metric_list': .* is not supported"),
+    "metric": (YAML_HEAD + "output_type: multiple_choice\ndoc_to_text: question\n"
+               "doc_to_choice: [a, b]\ndoc_to_target: label\nmetric_list:\n  - metric: mcc\n", 12,
+               "'metric_list': .* is not supported"),
     "fewshot": (YAML_HEAD + "num_fewshot: 5\n", 8, "'num_fewshot': only 0 is supported"),
 }
 
@@ -197,7 +203,8 @@ def test_evaluate_runs_the_shipped_choice_and_classification_tasks(symbol_model)
   cls = tasks.load_task(os.path.join(DATA, names[2]))
   assert labels["acc"] == _direct_acc(scorer, tok, [d["context"] for d in cls.docs[:4]],
                                       [cls.options["labels"]] * 4,
-                                      [cls.options["labels"].index(d["label"]) for d in cls.docs[:4]])
+                                      [cls.options["labels"].index(d["label"])
+                                       for d in cls.docs[:4]])
   assert 0.0 <= labels["macro_f1"] <= 1.0
 
 
@@ -209,7 +216,8 @@ def test_a_doc_the_yaml_cannot_convert_is_one_line_naming_the_data_file_and_line
   for body, line, message in [(CASES["generate"][0], 2, "template: 'a' is undefined"),
                               (CASES["choice_list"][0].replace('["yes", "no"]', '"{{question}}"'),
                                1,
-                               "doc_to_choice renders ' is 3 more than 1\\? ', not a list literal")]:
+                               "doc_to_choice renders ' is 3 more than 1\\? ', "
+                               "not a list literal")]:
     (tmp_path / "t.yaml").write_text(YAML_HEAD + body)
     with pytest.raises(config_lib.ConfigError,
                        match=f"^{re.escape(str(tmp_path / 'q.jsonl'))}:{line}: {message} "
@@ -223,7 +231,8 @@ def test_shipped_code_tasks_pass_a_solution_and_fail_a_stub():
   correct body and reject `return None`."""
   from jaxtrain.eval import generate, sandbox
   solutions = {"copy_document": "    s = ' '.join(map(str, half))\n    return f'< {s} | {s} >'\n",
-               "is_copy": "    a, b = text.strip('<> ').split('|')\n    return a.split() == b.split()\n",
+               "is_copy": ("    a, b = text.strip('<> ').split('|')\n"
+                           "    return a.split() == b.split()\n"),
                "half_of": "    return [int(x) for x in text.strip('< ').split('|')[0].split()]\n"}
   task = tasks.load_task(os.path.join(DATA, "synthetic_code.jsonl"))
   assert sorted(d["entry_point"] for d in task.docs) == sorted(solutions)
