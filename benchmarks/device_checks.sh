@@ -8,20 +8,22 @@
 # fp8_loss.md, stderr.log; the tool brings back at most 8); the summary prints last. Copy the figures
 # into benchmarks/RESULTS.md. Exit status 1 when any step failed or ran out of its time.
 #
-# Budget: each step runs under its own `timeout` (a hang costs that step, not the run), capped by
-# what is left of BUDGET_S = 570 s. Planned worst case (every step at its limit) 540 s; the limits
-# are estimates (compile and step times on the H200, the earlier run's 96 ms gpt2_small step), so
-# the first run's summary says how much of each was used:
+# Budget: each step runs under its own timeout (a hang costs that step, not the run), capped by
+# what is left of BUDGET_S = 540 s; the steps run in order of value (the kernels' numerics first, the
+# fp8 comparison last), so a late step gets what the earlier ones left. Limits (estimates: compile
+# and step times on the H200, the 2026-11-30 run's 96 ms gpt2_small step):
 #   install wheels                                             60 s
 #   environment (nvidia-smi, versions, one NVML read)          20 s
-#   kernel numerics, gpt2_small shapes (kernel_checks.py)      70 s   Triton + XLA compiles, ~50 programs
-#   kernel numerics, llama_1b shapes                           70 s
-#   train step gpt2_small, batch 16 x 1024, 20 steps, energy   80 s   MFU; NVML J/token of the timed steps
-#   train step llama_1b shortened: 4 of its 16 layers,         80 s   seq 2048 kept, batch 8 (not 256)
-#     batch 8 x 2048, 10 steps, energy
+#   kernel numerics, gpt2_small shapes (kernel_checks.py)      60 s   Triton + XLA compiles, ~50 programs
+#   kernel numerics, llama_1b shapes                           60 s
+#   train step gpt2_small, batch 16 x 1024, 20 steps, energy  130 s   MFU; NVML J/token of the timed
+#     attention xla (auto's GPU path for packed rows) and              steps; one process, two compiles
+#     pallas (the flash kernel), side by side
+#   train step llama_1b shortened: 4 of its 16 layers,        130 s   seq 2048 kept, batch 8 (not 256)
+#     batch 8 x 2048, 10 steps, energy, xla and pallas
 #   attention op, llama_1b heads (32/8 of 64, bf16),           50 s   xla, blockwise, cudnn, pallas
 #     fwd+bwd at 1024/2048/4096 tokens x 4 rows
-#   fp8 vs bf16: gpt2_small, 2 runs of 30 steps, 8 x 1024    110 s   loss per step, step time, and the
+#   fp8 vs bf16: gpt2_small, 2 runs of 20 steps, 8 x 1024     90 s   loss per step, step time, and the
 #                                                                     loop's own NVML energy row
 #   summary                                                    ~1 s
 # DRY=1 runs the same steps with tiny settings on whatever backend is there, without installing
@@ -33,7 +35,7 @@ OUT=${OUT:-/tmp/out}
 PYTHON=${PYTHON:-python3}
 DRY=${DRY:-0}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
-BUDGET_S=$((570 * LIMIT_SCALE))
+BUDGET_S=$((540 * LIMIT_SCALE))
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
 STATUS=/tmp/device_checks_status.txt
@@ -65,8 +67,9 @@ step() {  # step NAME SECONDS OUTFILE COMMAND...: COMMAND under its own timeout,
 # ---- install and environment ----
 if [ "$DRY" = 1 ]; then
   export PYTHONPATH=$PWD
-  GPT2=(--configs tiny --batch_size 2 --steps 2 --set train.seq_len=32)
-  LLAMA=(--configs tiny --batch_size 2 --steps 2 --set model.n_layers=1 --set train.seq_len=32)
+  GPT2=(--configs tiny --batch_size 2 --steps 2 --set train.seq_len=32 --vary model.attention=xla,pallas)
+  LLAMA=(--configs tiny --batch_size 2 --steps 2 --set model.n_layers=1 --set train.seq_len=32
+         --vary model.attention=xla,pallas)
   ATTN=(--config tiny --lengths 64,128 --batch_size 1 --steps 2)
   FP8=(--config tiny --steps 4 --batch_size 2 --seq_len 32)
 else
@@ -74,10 +77,10 @@ else
   step install 60 /dev/stdout "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || { tail -5 /tmp/device_checks_install.err; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
-  GPT2=(--configs gpt2_small --batch_size 16 --steps 20)
-  LLAMA=(--configs llama_1b --batch_size 8 --steps 10 --set model.n_layers=4)
+  GPT2=(--configs gpt2_small --batch_size 16 --steps 20 --vary model.attention=xla,pallas)
+  LLAMA=(--configs llama_1b --batch_size 8 --steps 10 --set model.n_layers=4 --vary model.attention=xla,pallas)
   ATTN=(--config llama_1b --lengths 1024,2048,4096 --batch_size 4 --steps 10)
-  FP8=(--config gpt2_small --steps 30 --batch_size 8 --seq_len 1024)
+  FP8=(--config gpt2_small --steps 20 --batch_size 8 --seq_len 1024)
 fi
 {
   echo "# device checks $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -98,13 +101,13 @@ if [ "$DRY" = 1 ]; then
   step kernels 70 "$OUT/kernel_checks.txt" "$PYTHON" benchmarks/kernel_checks.py --small
 else
   for config in gpt2_small llama_1b; do
-    step "kernels_$config" 70 "$OUT/kernel_checks.txt" "$PYTHON" benchmarks/kernel_checks.py --configs "$config"
+    step "kernels_$config" 60 "$OUT/kernel_checks.txt" "$PYTHON" benchmarks/kernel_checks.py --configs "$config"
   done
 fi
 
 # ---- 2. train-step MFU (datasheet bf16 peak) and NVML energy of the timed steps ----
-step train_step_gpt2 80 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${GPT2[@]}" --energy
-step train_step_llama 80 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${LLAMA[@]}" --energy
+step train_step_gpt2 130 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${GPT2[@]}" --energy
+step train_step_llama 130 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${LLAMA[@]}" --energy
 
 # ---- 3. the attention implementations against each other (the op, forward + backward) ----
 step attention 50 "$OUT/attention.md" "$PYTHON" benchmarks/attention_impls.py --op \
@@ -112,7 +115,7 @@ step attention 50 "$OUT/attention.md" "$PYTHON" benchmarks/attention_impls.py --
 
 # ---- 4. fp8 vs bf16: loss per step and step time, and the loop's own energy row ----
 rm -rf /tmp/fp8
-step fp8 110 "$OUT/fp8_loss.md" "$PYTHON" benchmarks/fp8_loss.py "${FP8[@]}" --workdir /tmp/fp8
+step fp8 90 "$OUT/fp8_loss.md" "$PYTHON" benchmarks/fp8_loss.py "${FP8[@]}" --workdir /tmp/fp8
 
 # ---- summary ----
 {

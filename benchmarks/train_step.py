@@ -1,13 +1,15 @@
 """Train-step throughput and MFU against the matmul peak measured in the same run.
 
   python benchmarks/train_step.py [--steps 10] [--configs tiny,small_20m] [--batch_size N]
-                                  [--set model.n_layers=4 ...] [--energy] [--record]
+                                  [--set model.n_layers=4 ...] [--vary model.attention=xla,pallas]
+                                  [--energy] [--record]
 
 For each config: the jitted train step (the loop's own), `steps` timed steps after 2 warm-up steps,
 median step time -> tokens/s and MFU = model FLOPs/s / measured peak. Peak = median of 2048^3 f32
 matmuls, measured before and after the configs (the machine is shared: both are reported).
 `--set KEY=VALUE` overrides a config key in every config, typed as `--config.KEY=VALUE` is (a
-shortened model: fewer layers, a shorter sequence). `--energy` adds the NVML board energy of the
+shortened model: fewer layers, a shorter sequence). `--vary KEY=V1,V2` times each config once per
+value, in this one process (one row each, labelled `config KEY=V`). `--energy` adds the NVML board energy of the
 timed steps (train/goodput.py's meter: joules per token and mean watts; "-" where there is no NVML).
 `--record` appends the table to benchmarks/RESULTS.md.
 """
@@ -106,6 +108,8 @@ def main():
   parser.add_argument("--batch_size", type=int, default=0, help="override train.batch_size (0: the config's)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="a config key in every config (repeatable), e.g. model.n_layers=4")
+  parser.add_argument("--vary", default="", metavar="KEY=V1,V2",
+                      help="time each config once per value of this config key")
   parser.add_argument("--energy", action="store_true",
                       help="NVML energy of the timed steps (NVIDIA GPUs)")
   parser.add_argument("--record", action="store_true")
@@ -113,9 +117,21 @@ def main():
   if any("=" not in item for item in args.set):
     parser.error("--set takes KEY=VALUE")
   overrides = dict(item.split("=", 1) for item in args.set)
+  if args.vary and "=" not in args.vary:
+    parser.error("--vary takes KEY=V1,V2")
+  vary_key, _, values = args.vary.partition("=")
+  variants = [(f" {vary_key}={v}", {vary_key: v}) for v in values.split(",")] if args.vary else [("", {})]
   peak_before = metrics.measure_matmul_peak()
-  results = [time_config(name, args.steps, args.batch_size, overrides, args.energy)
-             for name in args.configs.split(",")]
+  results = []
+  for name in args.configs.split(","):
+    for label, extra in variants:
+      try:
+        results.append(time_config(name, args.steps, args.batch_size, {**overrides, **extra},
+                                   args.energy))
+      except Exception as e:  # one variant that does not compile or run costs its row only
+        print(f"{name}{label}: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
+        results.append({"config": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+      results[-1]["config"] += label
   peak_after = metrics.measure_matmul_peak()
   peak = max(peak_before, peak_after)
   if jax.default_backend() != "cpu":  # accelerators: MFU against the datasheet's dense bf16 peak
@@ -129,7 +145,8 @@ def main():
       *machine_lines(),
       f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}"
       f"{f' --batch_size {args.batch_size}' if args.batch_size else ''}"
-      f"{''.join(f' --set {item}' for item in args.set)}{' --energy' if args.energy else ''}`",
+      f"{''.join(f' --set {item}' for item in args.set)}{f' --vary {args.vary}' if args.vary else ''}"
+      f"{' --energy' if args.energy else ''}`",
       f"- f32 matmul peak (2048^3, median of 7): {peak_before / 1e9:.1f} GFLOP/s before, "
       f"{peak_after / 1e9:.1f} after; MFU uses " + ("the higher" if jax.default_backend() == "cpu" else
                                                      f"the datasheet's bf16 peak, {peak / 1e12:.0f} TFLOP/s"),
@@ -139,6 +156,9 @@ def main():
       "|---|---|---|---|---|---|---|" + ("---|---|" if args.energy else ""),
   ]
   for r in results:
+    if "error" in r:
+      lines.append(f"| {r['config']} | failed: {r['error']} |")
+      continue
     achieved = r["flops_per_step"] / r["step_time_s"]
     lines.append(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {r['step_time_s'] * 1e3:.0f} ms "
                  f"| {r['tokens_per_sec']:,.0f} | {achieved / 1e9:.1f} | {achieved / peak:.1%} |"
