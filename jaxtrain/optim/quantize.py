@@ -7,6 +7,7 @@ jaxtrain/wire/<format>.py."""
 import jax.numpy as jnp
 
 from jaxtrain import wire
+from jaxtrain.wire.format import rounded
 
 
 def _blocks(x, block: int):
@@ -21,9 +22,9 @@ def encode(x, fmt: str, block: int = 256, scale=None):
   x = x.astype(jnp.float32)
   if not spec.block_scaled:
     q, scales = spec.quantize(x, scale)
-    return spec.pack(q), scales
+    return spec.pack(rounded(q)), scales
   q, scales = spec.quantize(_blocks(x, block))
-  return spec.pack(q).reshape(*x.shape[:-1], spec.payload_size(x.shape[-1])), scales
+  return spec.pack(rounded(q)).reshape(*x.shape[:-1], spec.payload_size(x.shape[-1])), scales
 
 
 def decode(payload, scales, fmt: str, block: int = 256):

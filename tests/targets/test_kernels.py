@@ -233,6 +233,32 @@ def test_quantize_compiles_for_gpu(target_devices, fmt):
   _kernels(_compile(devices, fn, [g, g]), "gpu", [f"quantize_{fmt}_with_feedback"])
 
 
+SELF_SUBTRACT = re.compile(r"subtract\((%[\w.\-]+), \1\)")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_error_feedback_keeps_its_rounding_on_gpu(target_devices, fmt):
+  """XLA:GPU folds f32 -> bf16/fp8 -> f32 to the identity, so x - decode(encode(x)) compiled to
+  subtract(x, x): error feedback fed back nothing (the H200 run of 2026-12-04 found the Pallas
+  kernel's new error up to 1.0 / 15 away from the XLA reference). The control shows the fold on
+  this compiler; compress's XLA path and the kernels' reference keep the rounding
+  (wire.format.rounded)."""
+  from jaxtrain.kernels.quantize import reference as quantize_reference
+  from jaxtrain.optim import compress
+  devices = target_devices(GPU)
+  dtype = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[fmt]
+  x = ((256, 512), jnp.float32, P())
+  control = _compile(devices, lambda v: v - v.astype(dtype).astype(jnp.float32), [x])
+  assert SELF_SUBTRACT.search(control)
+  scale = jnp.float32(0.01) if fmt == "fp8" else None
+  paths = {"compress": lambda g, e: compress._quantize(g, fmt, 256, scale, e, "xla")[2],
+           "reference": lambda g, e: quantize_reference.quantize_with_feedback(
+               g, e, fmt, 256, scale)[2]}
+  for name, fn in paths.items():
+    text = _compile(devices, fn, [x, x])
+    assert not SELF_SUBTRACT.search(text), name
+    assert re.search(rf"f32\[256,512\]\S* convert\(", text), name  # the payload decoded
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_flash_attention_compiles_for_gpu(target_devices, name):
   devices = target_devices(GPU)

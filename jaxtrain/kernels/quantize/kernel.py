@@ -31,7 +31,8 @@ def _kernel(*refs, fmt: str, has_error: bool, strided: bool):
   if has_error:
     x = x + e_ref[...]
   scale = None if scale_ref is None else scale_ref[0, 0]
-  payload, scales, decoded = reference.encode(x, fmt, scale, rounding=reference.round_half_even)
+  payload, scales, decoded = reference.encode(x, fmt, scale, rounding=reference.round_half_even,
+                                             in_kernel=True)
   payload_ref[...] = payload
   if scales_ref is not None:
     scales_ref[...] = scales[:, None]

@@ -6,6 +6,7 @@ optim.quantize.encode and decode (optim/compress.py's `ef`)."""
 import jax.numpy as jnp
 
 from jaxtrain import wire
+from jaxtrain.wire.format import rounded
 
 
 def round_half_even(x):
@@ -17,11 +18,14 @@ def round_half_even(x):
   return jnp.where((d > 0.5) | ((d == 0.5) & odd), t + 1.0, t)
 
 
-def encode(x, fmt: str, scale=None, rounding=jnp.round):
+def encode(x, fmt: str, scale=None, rounding=jnp.round, in_kernel=False):
   """float32 [..., C] (block-scaled formats: each last-axis row one block) -> (payload, scales
-  [...] / the shared scale / None, decoded)."""
+  [...] / the shared scale / None, decoded). Outside a kernel q passes `wire.format.rounded`, so
+  XLA cannot fold its rounding away; a Pallas kernel's body (`in_kernel`) has no barrier."""
   spec = wire.FORMATS[fmt]
   q, scales = spec.quantize(x, scale, rounding)
+  if not in_kernel:
+    q = rounded(q)
   return spec.pack(q), scales, spec.dequantize(q, scales)
 
 
