@@ -9,23 +9,22 @@
 # into benchmarks/RESULTS.md. Exit status 1 when any step failed or ran out of its time.
 #
 # Budget: each step runs under its own timeout (a hang costs that step, not the run), capped by
-# what is left of BUDGET_S = 540 s; the steps run in order of value (the kernels' numerics first, the
-# fp8 comparison last), so a late step gets what the earlier ones left. Limits (estimates: compile
-# and step times on the H200, the 2026-11-30 run's 96 ms gpt2_small step):
-#   install wheels                                             60 s
-#   environment (nvidia-smi, versions, one NVML read)          20 s
-#   kernel numerics, gpt2_small shapes (kernel_checks.py)      60 s   Triton + XLA compiles, ~50 programs
-#   kernel numerics, llama_1b shapes                           60 s
-#   train step gpt2_small, batch 16 x 1024, 20 steps, energy  130 s   MFU; NVML J/token of the timed
-#     attention xla (auto's GPU path for packed rows) and              steps; one process, two compiles
-#     pallas (the flash kernel), side by side
-#   train step llama_1b shortened: 4 of its 16 layers,        130 s   seq 2048 kept, batch 8 (not 256)
+# what is left of BUDGET_S = 570 s; the steps run in order of value (the kernels' numerics first, the
+# fp8 comparison last), so a late step gets what the earlier ones left. Limits, from the H200 run of
+# 2026-12-04 (what each used then in brackets; the kernel checks ran out of 60 s limits and took
+# 118 s + 148 s on their own, ~50 Triton and XLA compiles a config):
+#   install wheels                                             30 s  (1 s)
+#   environment (nvidia-smi, versions, one NVML read)          20 s  (5 s)
+#   kernel numerics, gpt2_small and llama_1b shapes           270 s  (266 s as two processes)
+#   train step gpt2_small, batch 16 x 1024, 20 steps, energy,  60 s  (31 s)
+#     attention xla and pallas side by side, one process
+#   train step llama_1b shortened: 4 of its 16 layers,         70 s  (40 s)
 #     batch 8 x 2048, 10 steps, energy, xla and pallas
-#   attention op, llama_1b heads (32/8 of 64, bf16),           50 s   xla, blockwise, cudnn, pallas
+#   attention op, llama_1b heads (32/8 of 64, bf16),           50 s  (39 s)
 #     fwd+bwd at 1024/2048/4096 tokens x 4 rows
-#   fp8 vs bf16: gpt2_small, 2 runs of 20 steps, 8 x 1024     90 s   loss per step, step time, and the
-#                                                                     loop's own NVML energy row
+#   fp8 vs bf16: gpt2_small, 2 runs of 20 steps, 8 x 1024     70 s  (50 s)
 #   summary                                                    ~1 s
+# Run it with timeout_s=600. Keep $OUT to the files below: the tool brings back 8 at most.
 # DRY=1 runs the same steps with tiny settings on whatever backend is there, without installing
 # wheels; LIMIT_SCALE multiplies every limit and the budget (a check of this script on 2 CPU cores:
 # JAX_PLATFORMS=cpu PYTHON=.venv/bin/python DRY=1 LIMIT_SCALE=4 OUT=/tmp/dry bash benchmarks/device_checks.sh).
@@ -35,7 +34,7 @@ OUT=${OUT:-/tmp/out}
 PYTHON=${PYTHON:-python3}
 DRY=${DRY:-0}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
-BUDGET_S=$((540 * LIMIT_SCALE))
+BUDGET_S=$((570 * LIMIT_SCALE))
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
 STATUS=/tmp/device_checks_status.txt
@@ -74,7 +73,7 @@ if [ "$DRY" = 1 ]; then
   FP8=(--config tiny --steps 4 --batch_size 2 --seq_len 32)
 else
   ls .whl/*.whl > /dev/null 2>&1 || { echo "no wheels in .whl/: run tools/device_wheels.sh here first" | tee -a "$SUMMARY"; exit 1; }
-  step install 60 /dev/stdout "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  step install 30 /dev/stdout "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || { tail -5 /tmp/device_checks_install.err; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
   GPT2=(--configs gpt2_small --batch_size 16 --steps 20 --vary model.attention=xla,pallas)
@@ -100,14 +99,12 @@ except Exception as e:
 if [ "$DRY" = 1 ]; then
   step kernels 70 "$OUT/kernel_checks.txt" "$PYTHON" benchmarks/kernel_checks.py --small
 else
-  for config in gpt2_small llama_1b; do
-    step "kernels_$config" 60 "$OUT/kernel_checks.txt" "$PYTHON" benchmarks/kernel_checks.py --configs "$config"
-  done
+  step kernels 270 "$OUT/kernel_checks.txt" "$PYTHON" benchmarks/kernel_checks.py --configs gpt2_small,llama_1b
 fi
 
 # ---- 2. train-step MFU (datasheet bf16 peak) and NVML energy of the timed steps ----
-step train_step_gpt2 130 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${GPT2[@]}" --energy
-step train_step_llama 130 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${LLAMA[@]}" --energy
+step train_step_gpt2 60 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${GPT2[@]}" --energy
+step train_step_llama 70 "$OUT/train_step.md" "$PYTHON" benchmarks/train_step.py "${LLAMA[@]}" --energy
 
 # ---- 3. the attention implementations against each other (the op, forward + backward) ----
 step attention 50 "$OUT/attention.md" "$PYTHON" benchmarks/attention_impls.py --op \
@@ -115,7 +112,7 @@ step attention 50 "$OUT/attention.md" "$PYTHON" benchmarks/attention_impls.py --
 
 # ---- 4. fp8 vs bf16: loss per step and step time, and the loop's own energy row ----
 rm -rf /tmp/fp8
-step fp8 90 "$OUT/fp8_loss.md" "$PYTHON" benchmarks/fp8_loss.py "${FP8[@]}" --workdir /tmp/fp8
+step fp8 70 "$OUT/fp8_loss.md" "$PYTHON" benchmarks/fp8_loss.py "${FP8[@]}" --workdir /tmp/fp8
 
 # ---- summary ----
 {

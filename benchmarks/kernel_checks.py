@@ -3,6 +3,7 @@ forward and gradients, at the shipped configs' shapes: the accelerator's check
 (benchmarks/device_checks.sh).
 
   python benchmarks/kernel_checks.py [--configs gpt2_small,llama_1b] [--json FILE] [--small]
+                                     [--only flash_attention,rms_norm,cross_entropy,attention,quantize]
 
 Checked in float32 and bfloat16, through the public functions only (they pick Triton on GPU and
 interpret mode on CPU by kernels/platform.backend()): kernels/flash_attention (packed rows with
@@ -353,16 +354,23 @@ def check_quantize(report: Report, s: Shapes) -> None:
       report.error(check, s, jnp.float32, case, e)
 
 
-def run_checks(report: Report, s: Shapes) -> None:
+GROUPS = ("flash_attention", "rms_norm", "cross_entropy", "attention", "quantize")
+
+
+def run_checks(report: Report, s: Shapes, only=GROUPS) -> None:
   for dtype in DTYPES:
     for check, fn in (("flash_attention", check_flash), ("rms_norm.pallas", check_rms_norm),
                       ("cross_entropy.pallas", check_cross_entropy)):
+      if check.split(".")[0] not in only:
+        continue
       try:
         fn(report, s, dtype)
       except Exception as e:  # one kernel that fails to lower or run does not stop the others
         report.error(check, s, dtype, "", e)
-    check_attention_implementations(report, s, dtype)
-  check_quantize(report, s)
+    if "attention" in only:
+      check_attention_implementations(report, s, dtype)
+  if "quantize" in only:
+    check_quantize(report, s)
 
 
 def main(argv=None) -> int:
@@ -372,7 +380,12 @@ def main(argv=None) -> int:
   p.add_argument("--small", action="store_true",
                  help="tiny shapes instead of the configs' (CPU, interpreted)")
   p.add_argument("--json", default="", help="also write every check's errors and tolerances here")
+  p.add_argument("--only", default=",".join(GROUPS),
+                 help=f"comma-separated groups of checks to run, of {','.join(GROUPS)}")
   args = p.parse_args(argv)
+  only = args.only.split(",")
+  if not set(only) <= set(GROUPS):
+    p.error(f"--only takes groups of {','.join(GROUPS)}")
   targets = [SMALL] if args.small else [config_shapes(n) for n in args.configs.split(",")]
   device = jax.devices()[0].device_kind
   print(f"# kernel checks: backend {platform.backend()} ({device}), jax {jax.__version__}; "
@@ -381,7 +394,7 @@ def main(argv=None) -> int:
   for s in targets:
     print(f"# {s.name}: B {s.b} x L {s.l}, heads {s.h}/{s.g} of {s.k}, D {s.d}, V {s.v} "
           f"({s.layout}), F {s.f}", flush=True)
-    run_checks(report, s)
+    run_checks(report, s, only)
   counts = report.counts()
   print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)
   if args.json:

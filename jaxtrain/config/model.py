@@ -86,7 +86,8 @@ class ModelConfig:
   # yarn: cos and sin are multiplied by this; 0 = 0.1 ln(factor) + 1
   rope_attention_factor: float = 0.0
   # Attention implementation (jaxtrain/model/attention.py): one of ATTENTION; auto: splash on TPU,
-  # cudnn on GPU (xla if packed), CPU by length; permuted indices: xla, blockwise from 2048 keys
+  # cudnn on GPU (the Pallas flash kernel for packed rows, permuted indices or float32), CPU by
+  # length; permuted indices on TPU: xla, blockwise from 2048 keys
   attention: str = "auto"
   attention_block: int = 512  # blockwise: keys/values (and queries) per block
   # FP8 dense and expert matmuls (jaxtrain/model/fp8.py): one of FP8; "current" = e4m3 forward, e5m2

@@ -116,11 +116,13 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
 
   `packed`: segment ids may hold several documents or padding per row; `in_order`: indices are
   arange. cudnn honours neither packed documents nor permuted indices (jax's cudnn call masks by
-  per-row lengths only), splash no permuted indices: those batches go to xla (blockwise from
-  CPU_BLOCKWISE_FROM keys for permuted indices), said once in the log
-  (not to the Pallas kernel, which no GPU run has checked; model.attention=pallas asks for it).
-  Decoding (queries against the whole KV cache, a few queries at a time, memory-bound) runs xla
-  unless blockwise was asked for: the kernels expect L == S."""
+  per-row lengths only) and takes no float32: `auto` on a GPU sends those batches to the Pallas
+  flash kernel, checked against the reference on an H200 (float32 and bfloat16, packed and
+  permuted rows, forward and backward, gpt2_small's and llama_1b's shapes) and 1.44-1.52x faster
+  than xla in their train steps (benchmarks/RESULTS.md, 2026-12-04); cudnn asked for explicitly
+  falls back to xla, said once in the log. splash honours no permuted indices: xla (blockwise from
+  CPU_BLOCKWISE_FROM keys). Decoding (queries against the whole KV cache, a few queries at a time,
+  memory-bound) runs xla unless blockwise was asked for: the kernels expect L == S."""
   backend = backend or platform.backend()
   name = cfg.attention
   if name in BACKENDS and backend not in BACKENDS[name]:
@@ -133,7 +135,8 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
                       f"{cfg.compute_dtype!r}; use auto, xla or blockwise")
   if name == "auto":
     cpu = "xla" if length < CPU_BLOCKWISE_FROM else "blockwise"
-    name = {"tpu": "splash", "gpu": "cudnn" if half else cpu}.get(backend, cpu)
+    gpu = "cudnn" if half and not packed and in_order else "pallas"
+    name = {"tpu": "splash", "gpu": gpu}.get(backend, cpu)
   if decode and name != "blockwise":
     return "xla"
   if name == "cudnn" and packed:
@@ -191,12 +194,13 @@ def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_ind
     q_index_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
     k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))
   implementation = functools.partial(IMPLEMENTATIONS[name], cfg=cfg)
-  if name in KERNELS and platform.backend() != "cpu":  # CPU: interpreted, under GSPMD as it is
-    implementation = per_shard(implementation, check_vma=name != "splash")
-  # the sequence is sharded: each shard's queries against all keys
+  # the sequence is sharded: each shard's queries against all keys, inside context's shard_map,
+  # manual over every axis these arrays lie on (a kernel there sees its shard already)
   if not decode and context.shards() > 1:
     return context.context_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,
                                      k_index_BS, implementation)
+  if name in KERNELS and platform.backend() != "cpu":  # CPU: interpreted, under GSPMD as it is
+    implementation = per_shard(implementation, check_vma=name != "splash")
   return implementation(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
 
 

@@ -58,12 +58,15 @@ def _attention_impl(m: ModelConfig, seq_len: int, kind: str, context: int = 1,
                     stages: int = 1) -> str:
   """The implementation model.attention resolves to on that kind of device
   (model/attention.choose): context parallelism's load-balanced order is no causal order by
-  position (neither cuDNN nor splash), and splash does not run inside a pipeline stage."""
+  position (neither cuDNN nor splash), and splash does not run inside a pipeline stage. On a GPU
+  `auto` is cuDNN for bf16 rows in order, else the Pallas flash kernel (the LM task packs its rows,
+  which cuDNN cannot mask, but both hold a block of scores, not [L, S])."""
   backend = BACKENDS[kind]
   name = m.attention
   if name == "auto":
     half = m.compute_dtype in ("bfloat16", "float16")
-    name = {"tpu": "splash", "gpu": "cudnn" if half else ""}.get(backend, "")
+    gpu = "cudnn" if half and context == 1 else "pallas"
+    name = {"tpu": "splash", "gpu": gpu}.get(backend, "")
     name = name or ("xla" if seq_len < CPU_BLOCKWISE_FROM else "blockwise")
   if (name in IN_ORDER_ONLY and context > 1) or (name == "splash" and stages > 1):
     return "blockwise" if seq_len >= CPU_BLOCKWISE_FROM else "xla"

@@ -94,11 +94,11 @@ def test_pallas_equals_reference():
 
 def test_choose_float32_on_gpu_takes_no_cudnn():
   """cuDNN's fused attention takes bf16/fp16 only: a float32 model on a GPU (long_16k, moe_tiny
-  compiled for H100 failed there: "Q must be fp16/bf16/fp8") takes xla or blockwise, and asking for
-  cudnn is a one-line error."""
+  compiled for H100 failed there: "Q must be fp16/bf16/fp8") takes the Pallas flash kernel (checked
+  in float32 on an H200), and asking for cudnn is a one-line error."""
   cfg = ModelConfig(attention="auto", compute_dtype="float32")
-  assert attention.choose(cfg, 1024, packed=False, in_order=True, backend="gpu") == "xla"
-  assert attention.choose(cfg, 16384, packed=False, in_order=True, backend="gpu") == "blockwise"
+  assert attention.choose(cfg, 1024, packed=False, in_order=True, backend="gpu") == "pallas"
+  assert attention.choose(cfg, 16384, packed=False, in_order=True, backend="gpu") == "pallas"
   with pytest.raises(ConfigError, match="compute_dtype"):
     attention.choose(ModelConfig(attention="cudnn", compute_dtype="float32"), 1024, False, True,
                      backend="gpu")
@@ -108,11 +108,11 @@ def test_choose_float32_on_gpu_takes_no_cudnn():
     ("auto", "cpu", 128, True, True, False, "xla"),
     ("auto", "cpu", attention.CPU_BLOCKWISE_FROM, True, True, False, "blockwise"),
     ("auto", "gpu", 4096, False, True, False, "cudnn"),
-    # cudnn cannot mask packed documents, nor permuted indices; the Pallas kernel compiles for GPU
-    # but no GPU run has checked it: auto never picks it
-    ("auto", "gpu", 4096, True, True, False, "xla"),
-    ("auto", "gpu", 1024, False, False, False, "xla"),
-    ("auto", "gpu", 4096, False, False, False, "blockwise"),  # permuted and long: memory linear
+    # cudnn cannot mask packed documents, nor permuted indices: the Pallas flash kernel, checked
+    # on an H200 for both (2026-12-04)
+    ("auto", "gpu", 4096, True, True, False, "pallas"),
+    ("auto", "gpu", 1024, False, False, False, "pallas"),
+    ("auto", "gpu", 4096, True, False, False, "pallas"),
     ("auto", "tpu", 4096, True, True, False, "splash"),
     ("auto", "tpu", 1024, True, False, False, "xla"),  # splash's causal mask is by position
     ("auto", "tpu", 4096, True, False, False, "blockwise"),

@@ -76,8 +76,8 @@ def test_moe_dispatch_rows_follow_the_expert_shards():
 
 
 def test_blockwise_attention_holds_one_block_of_scores_not_the_layers():
-  """Under context parallelism a TPU or GPU runs blockwise attention (the load-balanced order is
-  no causal order by position: no splash, no cuDNN), and blockwise saves its output and
+  """Under context parallelism a TPU runs blockwise attention (the load-balanced order is no causal
+  order by position: no splash, no cuDNN; a GPU runs the Pallas flash kernel), and blockwise saves its output and
   log-sum-exp only: the attention temporaries are BLOCK_COPIES of one key block's float32 scores
   for the local tokens, whatever the layers (were 2 L + 3 copies: long_16k 2.1x its compile)."""
   from jaxtrain.config import ModelConfig
@@ -87,7 +87,7 @@ def test_blockwise_attention_holds_one_block_of_scores_not_the_layers():
   assert estimate._attention_impl(m, 16384, "tpu-v5p") == "splash"
   assert estimate._attention_impl(m, 16384, "tpu-v5p", context=8) == "blockwise"
   assert estimate._attention_impl(m, 1024, "tpu-v5p", context=8) == "xla"
-  assert estimate._attention_impl(m, 16384, "h100", context=8) == "blockwise"
+  assert estimate._attention_impl(m, 16384, "h100", context=8) == "pallas"  # a fused kernel too
   assert estimate._attention_impl(m, 16384, "tpu-v5p", stages=4) == "blockwise"
   tokens = 2048
   for layers in (2, 8):

@@ -273,12 +273,12 @@ def test_flash_attention_compiles_for_gpu(target_devices, name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_cudnn_is_auto_and_compiles_for_gpu(target_devices, name):
   """model.attention=auto on GPU is cuDNN's flash attention for rows of one document (packed rows
-  take xla: jax's cuDNN call masks by per-row lengths only)."""
+  take the Pallas flash kernel: jax's cuDNN call masks by per-row lengths only)."""
   devices = target_devices(GPU)
   m, l = _model(name)
   cfg = ModelConfig(attention="auto", compute_dtype="bfloat16")  # cuDNN takes no float32
   assert attention.choose(cfg, l, False, True, backend="gpu") == "cudnn"
-  assert attention.choose(cfg, l, True, True, backend="gpu") == "xla"
+  assert attention.choose(cfg, l, True, True, backend="gpu") == "pallas"
   q = ((1, l, m.n_heads, m.head_dim), jnp.bfloat16, P())
   kv = ((1, l, m.n_kv_heads, m.head_dim), jnp.bfloat16, P())
   text = _compile(devices, _attention(cfg), [q, kv, kv])
