@@ -3,6 +3,9 @@ KV-cache sampler of post-training (posttrain/rollout.py), then exact match after
 (`generate`), unit tests in the sandbox with pass@k (`code`), and chat replies against a reference
 (`dialogue`)."""
 
+import functools
+import os
+
 import jax
 import numpy as np
 
@@ -131,7 +134,10 @@ def chat_prompt(encoder, messages: list[dict]) -> tuple[np.ndarray, tuple]:
 
 def dialogue_task(task, gen: Generator, tokenizer, seed: int) -> dict:
   """exact_match (stripped) and SQuAD token F1 of the reply, generated until the end of the turn
-  or EOS (or `until`), against each doc's reference."""
+  or EOS (or `until`), against each doc's reference. With the header's `reward_model` (a reward
+  model run of the post-training work, posttrain/reward.py) also `reward`: its score of each whole
+  conversation with the reply, and `reward_reference`, with the reference in its place, and
+  `reward_win_rate`, the share of docs whose reply it scores above the reference."""
   from jaxtrain.posttrain import data as post_data
   encoder = post_data.Encoder(tokenizer, gen.model.cfg.max_seq_len)
   prompts, ends = [], set()
@@ -146,5 +152,39 @@ def dialogue_task(task, gen: Generator, tokenizer, seed: int) -> dict:
   replies, cut = _texts(gen, tokenizer, prompts, task.options, seed, tuple(sorted(ends)))
   em = [float(r.strip() == d["reference"].strip()) for r, d in zip(replies, task.docs)]
   f1 = [metrics.token_f1(r, d["reference"]) for r, d in zip(replies, task.docs)]
-  return {**_mean_stderr("exact_match", em), **_mean_stderr("f1", f1), "docs": len(task.docs),
-          "truncated": cut}
+  out = {**_mean_stderr("exact_match", em), **_mean_stderr("f1", f1), "docs": len(task.docs),
+         "truncated": cut}
+  if task.options.get("reward_model"):
+    out.update(_rewards(task, replies))
+  return out
+
+
+@functools.cache
+def _reward_model(workdir: str):
+  from jaxtrain.posttrain import reward
+  if not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f"reward_model: no such run directory: {workdir}")
+  return reward.load_reward_model(workdir)
+
+
+def _rewards(task, replies) -> dict:
+  """The reward model's scores of each conversation with the generated reply (stripped) and with
+  the reference. An empty reply (the chat template refuses an empty turn) is not scored: counted in
+  `reward_empty`, left out of the reward and the win rate."""
+  from jaxtrain.posttrain import data as post_data
+  rm = _reward_model(os.path.join(os.path.dirname(os.path.abspath(task.path)),
+                                  task.options["reward_model"]))
+  conversation = lambda d, reply: [*d["messages"], {"role": "assistant", "content": reply}]
+  scored = [i for i, r in enumerate(replies) if r.strip()]
+  try:
+    ref = rm.chats([conversation(d, d["reference"]) for d in task.docs])
+    got = (rm.chats([conversation(task.docs[i], replies[i].strip()) for i in scored]) if scored
+           else None)
+  except post_data.Skip as e:
+    raise config_lib.ConfigError(
+        f"{task.path}: the reward model's chat template cannot render a conversation ({e})") from None
+  out = {"reward_reference": float(np.mean(ref)), "reward_empty": len(replies) - len(scored)}
+  if scored:
+    out.update(**_mean_stderr("reward", got.tolist()),
+               reward_win_rate=float(np.mean(got > ref[scored])))
+  return out

@@ -29,11 +29,13 @@ OPTIONS = {
     "memory_mb": (512, _int(64), "an integer >= 64"),
     "labels": (None, lambda v: _str_list(v) and v and all(v) and len(set(v)) == len(v),
                "a non-empty list of distinct non-empty strings"),
+    "reward_model": (None, lambda v: isinstance(v, str) and bool(v),
+                     "a reward-model run's workdir (train.task=rm), relative to the task file"),
 }
 GENERATION = ("until", "max_new_tokens", "temperature", "top_k")
 KIND_OPTIONS = {"multiple_choice": (), "perplexity": (), "classification": ("labels",),
                 "generate": (*GENERATION, "answer_regex"),
-                "code": (*GENERATION, "n", "k", "timeout_s", "memory_mb"), "dialogue": GENERATION}
+                "code": (*GENERATION, "n", "k", "timeout_s", "memory_mb"), "dialogue": (*GENERATION, "reward_model")}
 CODE_UNTIL = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]  # HumanEval's stop sequences
 
 

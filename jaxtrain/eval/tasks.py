@@ -16,7 +16,9 @@ A task file holds one JSON object a line, optionally after a header line {"task"
   code             {"prompt": str, "tests": str, "entry_point"?: str}: pass@k over header `n`
                    samples run with their tests in the sandbox (eval/sandbox.py).
   dialogue         {"messages": [{"role", "content"}, ...] (the last the user's), "reference": str}:
-                   exact_match and token f1 of the reply through the chat template.
+                   exact_match and token f1 of the reply through the chat template; with header
+                   `reward_model` (a train.task=rm run's workdir) also its reward of the reply,
+                   of the reference, and the reply's win rate over the reference.
 Generation options in the header (eval/generate.py): until (stop strings; default ["\\n\\n"], code
 HumanEval's, dialogue none: EOS), max_new_tokens (256), temperature (0: greedy), top_k (0), n (1),
 k ([1]), timeout_s (5), memory_mb (512) for code.

@@ -87,7 +87,15 @@ class RewardFunction:
     return np.asarray(self._score(self.params, tokens_NL * segment_NL, positions_NL, segment_NL))
 
   def texts(self, prompts, completions) -> np.ndarray:
-    ids = [self.encoder.example(p, c)[0] for p, c in zip(prompts, completions)]
+    return self._ids([self.encoder.example(p, c)[0] for p, c in zip(prompts, completions)])
+
+  def chats(self, conversations) -> np.ndarray:
+    """Scores of whole conversations (lists of {"role", "content"}, the last the assistant's reply)
+    through the run's chat template, each cut to the model's length as training cuts it."""
+    return self._ids([[i for piece, _ in self.encoder.chat(c) for i in piece][:self.encoder.max_tokens]
+                      for c in conversations])
+
+  def _ids(self, ids) -> np.ndarray:
     length = max(len(i) for i in ids)
     tokens = np.zeros((len(ids), length), np.int32)
     for row, i in enumerate(ids):

@@ -177,6 +177,49 @@ def test_dialogue_prompt_through_the_chat_template_and_reply_scores(tmp_path):
   assert got["f1"] == pytest.approx((1 + metrics.token_f1(reply, reply + " extra")) / 2)
 
 
+@pytest.mark.slow  # trains a reward model for 2 steps (~15 s)
+def test_dialogue_scored_by_a_reward_model_run(tmp_path):
+  """The header's reward_model (a train.task=rm run beside the task file) scores each conversation
+  with the generated reply and with the reference: the same numbers as the run's RewardFunction on
+  those conversations, and its win rate from them."""
+  import jaxtrain
+  from tests.posttrain.test_reward import marker_pairs
+  pairs = tmp_path / "pairs.jsonl"
+  pairs.write_text("".join(json.dumps(r) + "\n" for r in marker_pairs(64, 0)))
+  rm_cfg = tiny_config(model={"vocab_size": 260, "max_seq_len": 96}, data={"kind": "bytes"},
+                       train={"task": "rm", "seq_len": 48, "batch_size": 8, "steps": 2},
+                       posttrain={"train_path": str(pairs), "eval_path": str(pairs)})
+  jaxtrain.train(rm_cfg, str(tmp_path / "rm"), progress=False)
+  cfg = ModelConfig.from_config(tiny_config(model={**MODEL, "max_seq_len": 64}).model)
+  module = Transformer(cfg)
+  params = jax.tree.map(np.asarray, nn.unbox(
+      jax.jit(module.init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"]))
+  docs = [{"messages": [{"role": "user", "content": f"< {i} 2 |"}], "reference": f"{i} 39 >"}
+          for i in range(4)]
+  path = write_jsonl(tmp_path / "chat.jsonl",
+                     [{"task": {"kind": "dialogue", "max_new_tokens": 6, "reward_model": "rm"}}, *docs])
+  got = evaluate(params, [path], config=cfg, tokenizer=Bytes())["chat"]
+  from jaxtrain.posttrain import data as post_data
+  encoder = post_data.Encoder(Bytes(), 64)
+  replies = [Bytes().decode(greedy_reference(
+      module, params, generate.chat_prompt(encoder, d["messages"])[0], 6, width=64)).strip()
+      for d in docs]
+  assert all(replies), replies  # 6 greedy bytes of an init_std 0.5 model: never blank here
+  rm = jaxtrain.load_reward_model(str(tmp_path / "rm"))
+  conversation = lambda d, reply: [*d["messages"], {"role": "assistant", "content": reply}]
+  want = rm.chats([conversation(d, r) for d, r in zip(docs, replies)])
+  ref = rm.chats([conversation(d, d["reference"]) for d in docs])
+  assert got["reward_empty"] == 0
+  assert got["reward"] == pytest.approx(float(np.mean(want)), rel=1e-5)
+  assert got["reward_reference"] == pytest.approx(float(np.mean(ref)), rel=1e-5)
+  assert got["reward_win_rate"] == float(np.mean(want > ref))
+  bad = write_jsonl(tmp_path / "bad.jsonl",
+                    [{"task": {"kind": "dialogue", "max_new_tokens": 2, "reward_model": "none"}},
+                     docs[0]])
+  with pytest.raises(config_lib.ConfigError, match="reward_model: no such run directory"):
+    evaluate(params, [bad], config=cfg, tokenizer=Bytes())
+
+
 @pytest.mark.parametrize("lines, message", [
     ([{"task": {"kind": "generate", "until": "\n"}}, {"context": "a", "answer": "b"}],
      "1: the header's 'until' must be a list of strings"),
