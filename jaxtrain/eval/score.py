@@ -133,7 +133,10 @@ class Scorer:
       self.rows = -(-rows // shards) * shards
       self.params = jax.device_put(params, self._param_shardings(mesh, mesh_rules))
       self.extra = jax.device_put(extra, NamedSharding(mesh, P()))
-    self._step = jax.jit(functools.partial(token_scores, self.model))
+    # with a mesh, the scores come back replicated: every process reads all rows (its own
+    # process-local shards would not hold the requests it needs)
+    replicated = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
+    self._step = jax.jit(functools.partial(token_scores, self.model), **replicated)
 
   def _param_shardings(self, mesh, mesh_rules: str):
     """The params' shardings from the model's logical axis names."""

@@ -354,3 +354,30 @@ def test_a_lost_peer_ends_the_survivor_with_one_line_and_status_6(tmp_path):
   finally:
     for c in pairs:
       c.kill()
+
+
+@pytest.mark.slow  # ~100-150 s on 2 shared cores: three jax processes compile the step and the scorer
+def test_in_loop_tasks_over_two_processes_score_like_one(tmp_path):
+  """eval.tasks in the loop of a two-process run: the scoring and the generation are collective
+  over both processes' devices, process 0 alone writes the rows, and every eval/<task>/<metric>
+  equals the one-process run's (both run eval at steps 4 and 8). A resumed run asks process 0 which steps it logged
+  (eval/loop.logged_steps), so both processes skip the same evaluations."""
+  path = tmp_path / "copy.jsonl"
+  docs = [{"task": {"kind": "multiple_choice"}}]
+  docs += [{"context": f"< {a} {b} {c} |", "choices": [f" {a} {b} {c} >", f" {c} {b} {a} >"],
+            "gold": 0} for a, b, c in ((1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12), (3, 1, 2))]
+  path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+  gen = tmp_path / "gen.jsonl"  # generation through the KV-cache sampler, rows over the processes
+  gen.write_text("".join(json.dumps(d) + "\n" for d in [
+      {"task": {"kind": "generate", "max_new_tokens": 4, "until": [">"]}},
+      *({"context": f"< {a} {b} |", "answer": f"{a} {b}"} for a, b in ((1, 2), (5, 6), (9, 3)))]))
+  overrides = {"eval": {"tasks": f"{path},{gen}", "every_steps": 4}}
+  one = Run(tmp_path / "one_process", 1, 8, overrides)
+  two = Run(tmp_path / "two_processes", 2, 4, overrides)
+  wait_all([one, two], TIMEOUT_S)
+  want, got = metrics.read_metrics(one.workdir), metrics.read_metrics(two.workdir)
+  columns = ["eval/copy/acc", "eval/copy/acc_norm", "eval/gen/exact_match"]
+  for key in columns:
+    assert sorted(by_step(want, key)) == [4, 8], (key, want)
+    assert by_step(got, key) == by_step(want, key), key
+  assert_close(by_step(got, "eval/copy/acc_stderr"), by_step(want, "eval/copy/acc_stderr"), "stderr")
