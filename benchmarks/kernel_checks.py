@@ -3,7 +3,7 @@ forward and gradients, at the shipped configs' shapes: the accelerator's check
 (benchmarks/device_checks.sh).
 
   python benchmarks/kernel_checks.py [--configs gpt2_small,llama_1b] [--json FILE] [--small]
-                                     [--only flash_attention,rms_norm,cross_entropy,attention,quantize]
+      [--only flash_attention,rms_norm,cross_entropy,attention,quantize]
 
 Checked in float32 and bfloat16, through the public functions only (they pick Triton on GPU and
 interpret mode on CPU by kernels/platform.backend()): kernels/flash_attention (packed rows with

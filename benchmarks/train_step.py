@@ -8,9 +8,10 @@ For each config: the jitted train step (the loop's own), `steps` timed steps aft
 median step time -> tokens/s and MFU = model FLOPs/s / measured peak. Peak = median of 2048^3 f32
 matmuls, measured before and after the configs (the machine is shared: both are reported).
 `--set KEY=VALUE` overrides a config key in every config, typed as `--config.KEY=VALUE` is (a
-shortened model: fewer layers, a shorter sequence). `--vary KEY=V1,V2` times each config once per
-value, in this one process (one row each, labelled `config KEY=V`). `--energy` adds the NVML board energy of the
-timed steps (train/goodput.py's meter: joules per token and mean watts; "-" where there is no NVML).
+shortened model: fewer layers, a shorter sequence). `--vary KEY=V1,V2` times each config once
+per value, in this one process (one row each, labelled `config KEY=V`). `--energy` adds the NVML
+board energy of the timed steps (train/goodput.py's meter: joules per token and mean watts; "-"
+where there is no NVML).
 `--record` appends the table to benchmarks/RESULTS.md.
 """
 
@@ -120,7 +121,8 @@ def main():
   if args.vary and "=" not in args.vary:
     parser.error("--vary takes KEY=V1,V2")
   vary_key, _, values = args.vary.partition("=")
-  variants = [(f" {vary_key}={v}", {vary_key: v}) for v in values.split(",")] if args.vary else [("", {})]
+  variants = ([(f" {vary_key}={v}", {vary_key: v}) for v in values.split(",")] if args.vary
+              else [("", {})])
   peak_before = metrics.measure_matmul_peak()
   results = []
   for name in args.configs.split(","):
@@ -130,7 +132,8 @@ def main():
                                    args.energy))
       except Exception as e:  # one variant that does not compile or run costs its row only
         print(f"{name}{label}: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
-        results.append({"config": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+        first_line = str(e).splitlines()[0][:120]
+        results.append({"config": name, "error": f"{type(e).__name__}: {first_line}"})
       results[-1]["config"] += label
   peak_after = metrics.measure_matmul_peak()
   peak = max(peak_before, peak_after)
@@ -145,7 +148,8 @@ def main():
       *machine_lines(),
       f"- command: `python benchmarks/train_step.py --steps {args.steps} --configs {args.configs}"
       f"{f' --batch_size {args.batch_size}' if args.batch_size else ''}"
-      f"{''.join(f' --set {item}' for item in args.set)}{f' --vary {args.vary}' if args.vary else ''}"
+      f"{''.join(f' --set {item}' for item in args.set)}"
+      f"{f' --vary {args.vary}' if args.vary else ''}"
       f"{' --energy' if args.energy else ''}`",
       f"- f32 matmul peak (2048^3, median of 7): {peak_before / 1e9:.1f} GFLOP/s before, "
       f"{peak_after / 1e9:.1f} after; MFU uses " + ("the higher" if jax.default_backend() == "cpu" else

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxtrain import config as config_lib, parallel
-from jaxtrain.eval import metrics, sandbox
+from jaxtrain.eval import metrics, sandbox, score
 from jaxtrain.posttrain import rollout
 
 
@@ -55,7 +55,7 @@ class Generator:
       result = self._run(prompts_BP, lens_B, jax.random.fold_in(jax.random.key(seed), i),
                          max_new_tokens=max_new_tokens, temperature=float(temperature),
                          top_k=int(top_k), stop_tokens=tuple(int(s) for s in stop_ids))
-      tokens_BN, lengths_B = _fetch((result.tokens_BN, result.lengths_B))
+      tokens_BN, lengths_B = score.host_values((result.tokens_BN, result.lengths_B))
       for b in range(len(chunk)):
         ids = tokens_BN[b, :lengths_B[b]]
         out.append(ids[:-1] if len(ids) and int(ids[-1]) in stop_ids else ids)
@@ -80,15 +80,6 @@ def _encode(tokenizer, text: str) -> np.ndarray:
     return np.concatenate([[tokenizer.bos], tokenizer.encode(text)]).astype(np.int32)
   except ValueError as e:  # text outside a synthetic language's symbols
     raise config_lib.ConfigError(f"cannot tokenize {text!r}: {e}") from None
-
-
-def _fetch(arrays):
-  """The arrays' global values on this host: every process reads every row (rows lie over the
-  data axes, across processes in a multi-process run)."""
-  if jax.process_count() == 1:
-    return jax.device_get(arrays)
-  from jax.experimental import multihost_utils
-  return multihost_utils.process_allgather(arrays, tiled=True)
 
 
 def _mean_stderr(name: str, values) -> dict:
@@ -190,8 +181,8 @@ def _rewards(task, replies) -> dict:
     got = (rm.chats([conversation(task.docs[i], replies[i].strip()) for i in scored]) if scored
            else None)
   except post_data.Skip as e:
-    raise config_lib.ConfigError(
-        f"{task.path}: the reward model's chat template cannot render a conversation ({e})") from None
+    raise config_lib.ConfigError(f"{task.path}: the reward model's chat template cannot render "
+                                 f"a conversation ({e})") from None
   out = {"reward_reference": float(np.mean(ref)), "reward_empty": len(replies) - len(scored)}
   if scored:
     out.update(**_mean_stderr("reward", got.tolist()),

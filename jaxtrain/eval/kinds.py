@@ -35,7 +35,8 @@ OPTIONS = {
 GENERATION = ("until", "max_new_tokens", "temperature", "top_k")
 KIND_OPTIONS = {"multiple_choice": (), "perplexity": (), "classification": ("labels",),
                 "generate": (*GENERATION, "answer_regex"),
-                "code": (*GENERATION, "n", "k", "timeout_s", "memory_mb"), "dialogue": (*GENERATION, "reward_model")}
+                "code": (*GENERATION, "n", "k", "timeout_s", "memory_mb"),
+                "dialogue": (*GENERATION, "reward_model")}
 CODE_UNTIL = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]  # HumanEval's stop sequences
 
 

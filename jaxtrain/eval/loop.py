@@ -8,14 +8,15 @@ columns. Resumable: the steps whose rows in metrics.jsonl already hold every tas
 evaluated again (a run resumed from an older checkpoint recomputes those steps, not their
 evaluations)."""
 
+import json
+
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import eval as eval_config
 from jaxtrain.eval import score, tasks as tasks_lib
 from jaxtrain.model import ModelConfig
-from jaxtrain.train import goodput as goodput_lib, sampling
+from jaxtrain.train import goodput as goodput_lib, peers, sampling
 
 PREFIX = "eval/"
 
@@ -29,18 +30,11 @@ def logged_steps(workdir: str, names: list[str]) -> set[int]:
   """The steps of metrics.jsonl rows that hold a column of every task in `names`, as process 0
   reads them: it alone writes metrics.jsonl, and every process must skip the same evaluations (the
   scoring is collective: a process that evaluated alone would wait on the others forever)."""
-  out = set()
+  out = []
   if jax.process_index() == 0:
-    for row in goodput_lib.history(workdir):
-      if "step" in row and all(any(k.startswith(f"{PREFIX}{n}/") for k in row) for n in names):
-        out.add(int(row["step"]))
-  if jax.process_count() == 1:
-    return out
-  from jax.experimental import multihost_utils
-  count = int(multihost_utils.broadcast_one_to_all(np.int64(len(out))))
-  steps = np.zeros(count, np.int64)
-  steps[:len(out) if jax.process_index() == 0 else 0] = sorted(out)
-  return {int(s) for s in multihost_utils.broadcast_one_to_all(steps)}
+    out = [int(row["step"]) for row in goodput_lib.history(workdir) if "step" in row and all(
+        any(k.startswith(f"{PREFIX}{n}/") for k in row) for n in names)]
+  return set(json.loads(peers.agree("eval_logged_steps", json.dumps(sorted(set(out))))))
 
 
 class InLoopEval:

@@ -111,6 +111,16 @@ def rolling_requests(ids: np.ndarray, prefix: int, seq_len: int) -> list[Request
   return windows
 
 
+def host_values(arrays):
+  """The arrays' global values on this host. Rows lie over the data axes, across processes in a
+  multi-process run, and every process needs every row (the requests it reads back are all of
+  them): there they are all-gathered, on one process only copied."""
+  if jax.process_count() == 1:
+    return jax.device_get(arrays)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(arrays, tiled=True)
+
+
 class Scorer:
   """Scores requests with one model: `loglikelihood(requests) -> [Score]`, batches of `rows` rows of
   `seq_len` (default the model's max_seq_len) compiled once. With a `mesh`, rows lie over its data
@@ -133,10 +143,7 @@ class Scorer:
       self.rows = -(-rows // shards) * shards
       self.params = jax.device_put(params, self._param_shardings(mesh, mesh_rules))
       self.extra = jax.device_put(extra, NamedSharding(mesh, P()))
-    # with a mesh, the scores come back replicated: every process reads all rows (its own
-    # process-local shards would not hold the requests it needs)
-    replicated = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
-    self._step = jax.jit(functools.partial(token_scores, self.model), **replicated)
+    self._step = jax.jit(functools.partial(token_scores, self.model))
 
   def _param_shardings(self, mesh, mesh_rules: str):
     """The params' shardings from the model's logical axis names."""
@@ -163,7 +170,7 @@ class Scorer:
     for batch, spans in [*pack(requests, self.rows, self.seq_len), (None, None)]:
       running = (self._run(batch), spans) if batch is not None else None
       if pending is not None:
-        (logprob_BL, greedy_BL), done = jax.device_get(pending[0]), pending[1]
+        (logprob_BL, greedy_BL), done = host_values(pending[0]), pending[1]
         for s in done:
           sl = slice(s.end - s.n_cont, s.end)
           out[s.request] = Score(float(np.sum(logprob_BL[s.row, sl], dtype=np.float64)),

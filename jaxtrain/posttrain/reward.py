@@ -92,8 +92,8 @@ class RewardFunction:
   def chats(self, conversations) -> np.ndarray:
     """Scores of whole conversations (lists of {"role", "content"}, the last the assistant's reply)
     through the run's chat template, each cut to the model's length as training cuts it."""
-    return self._ids([[i for piece, _ in self.encoder.chat(c) for i in piece][:self.encoder.max_tokens]
-                      for c in conversations])
+    flat = lambda pieces: [i for piece, _ in pieces for i in piece][:self.encoder.max_tokens]
+    return self._ids([flat(self.encoder.chat(c)) for c in conversations])
 
   def _ids(self, ids) -> np.ndarray:
     length = max(len(i) for i in ids)

@@ -197,7 +197,8 @@ def test_dialogue_scored_by_a_reward_model_run(tmp_path):
   docs = [{"messages": [{"role": "user", "content": f"< {i} 2 |"}], "reference": f"{i} 39 >"}
           for i in range(4)]
   path = write_jsonl(tmp_path / "chat.jsonl",
-                     [{"task": {"kind": "dialogue", "max_new_tokens": 6, "reward_model": "rm"}}, *docs])
+                     [{"task": {"kind": "dialogue", "max_new_tokens": 6, "reward_model": "rm"}},
+                      *docs])
   got = evaluate(params, [path], config=cfg, tokenizer=Bytes())["chat"]
   from jaxtrain.posttrain import data as post_data
   encoder = post_data.Encoder(Bytes(), 64)

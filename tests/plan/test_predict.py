@@ -77,9 +77,10 @@ def test_moe_dispatch_rows_follow_the_expert_shards():
 
 def test_blockwise_attention_holds_one_block_of_scores_not_the_layers():
   """Under context parallelism a TPU runs blockwise attention (the load-balanced order is no causal
-  order by position: no splash, no cuDNN; a GPU runs the Pallas flash kernel), and blockwise saves its output and
-  log-sum-exp only: the attention temporaries are BLOCK_COPIES of one key block's float32 scores
-  for the local tokens, whatever the layers (were 2 L + 3 copies: long_16k 2.1x its compile)."""
+  order by position: no splash, no cuDNN; a GPU runs the Pallas flash kernel), and blockwise saves
+  its output and log-sum-exp only: the attention temporaries are BLOCK_COPIES of one key block's
+  float32 scores for the local tokens, whatever the layers (were 2 L + 3 copies: long_16k 2.1x its
+  compile)."""
   from jaxtrain.config import ModelConfig
   from jaxtrain.plan import activations
   m = ModelConfig(n_layers=2, n_heads=4, head_dim=32, d_model=128, attention_block=512,

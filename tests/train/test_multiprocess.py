@@ -356,12 +356,13 @@ def test_a_lost_peer_ends_the_survivor_with_one_line_and_status_6(tmp_path):
       c.kill()
 
 
-@pytest.mark.slow  # ~100-150 s on 2 shared cores: three jax processes compile the step and the scorer
+# ~100-150 s on 2 shared cores: three jax processes compile the step and the scorer
+@pytest.mark.slow
 def test_in_loop_tasks_over_two_processes_score_like_one(tmp_path):
   """eval.tasks in the loop of a two-process run: the scoring and the generation are collective
   over both processes' devices, process 0 alone writes the rows, and every eval/<task>/<metric>
-  equals the one-process run's (both run eval at steps 4 and 8). A resumed run asks process 0 which steps it logged
-  (eval/loop.logged_steps), so both processes skip the same evaluations."""
+  equals the one-process run's (both run eval at steps 4 and 8). A resumed run asks process 0
+  which steps it logged (eval/loop.logged_steps), so both processes skip the same evaluations."""
   path = tmp_path / "copy.jsonl"
   docs = [{"task": {"kind": "multiple_choice"}}]
   docs += [{"context": f"< {a} {b} {c} |", "choices": [f" {a} {b} {c} >", f" {c} {b} {a} >"],
@@ -380,4 +381,5 @@ def test_in_loop_tasks_over_two_processes_score_like_one(tmp_path):
   for key in columns:
     assert sorted(by_step(want, key)) == [4, 8], (key, want)
     assert by_step(got, key) == by_step(want, key), key
-  assert_close(by_step(got, "eval/copy/acc_stderr"), by_step(want, "eval/copy/acc_stderr"), "stderr")
+  stderr = "eval/copy/acc_stderr"
+  assert_close(by_step(got, stderr), by_step(want, stderr), "stderr")
