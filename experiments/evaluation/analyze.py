@@ -24,8 +24,8 @@ if ROOT not in sys.path:
 
 import jaxtrain  # noqa: E402
 
-MC_TASKS = ("next_line", "next_line_any")
-CONTROLS = {"next_line": "next_line_control", "next_line_any": "next_line_any_control"}
+MC_TASKS = ("next_line", "next_indent")
+CONTROLS = {"next_line": "next_line_control", "next_indent": "next_indent_control"}
 BPB = "json_bpb"
 CHANCE = 0.25
 
@@ -55,6 +55,7 @@ def main():
   parser.add_argument("--root", default=os.path.join(ROOT, "runs", "evaluation"))
   args = parser.parse_args()
   workdirs = sorted(glob.glob(os.path.join(args.root, "seed_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
+  workdirs = [w for w in workdirs if os.path.exists(os.path.join(w, "control.json"))]  # finished runs only
   runs = {os.path.basename(w): by_step(w) for w in workdirs}
   controls = {os.path.basename(w): json.load(open(os.path.join(w, "control.json")))
               for w in workdirs if os.path.exists(os.path.join(w, "control.json"))}
@@ -117,7 +118,7 @@ def write_markdown(r: dict) -> None:
            f"Accuracy in %: mean ± std over the {n} seeds, and (SE x) the binomial standard error of one run's "
            f"accuracy over the task's {r['docs']['next_line']} docs, averaged over the seeds. Chance: "
            f"{100 * r['chance']:.0f}%. Bits per byte over json/ ({r['docs'][BPB]} docs): mean ± std over seeds.", "",
-           "| step | next_line acc | next_line acc_norm | next_line_any acc | next_line_any acc_norm | json bits/byte |",
+           "| step | next_line acc | next_line acc_norm | next_indent acc | next_indent acc_norm | json bits/byte |",
            "| ---: | ---: | ---: | ---: | ---: | ---: |"]
   for i, step in enumerate(r["steps"]):
     cells = [pct(c[f"{t}/{m}"][i], c[f"{t}/{m}"][i]["binomial_se"]) for t in MC_TASKS for m in ("acc", "acc_norm")]

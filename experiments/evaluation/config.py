@@ -14,10 +14,10 @@ import sysconfig
 from jaxtrain.config import default_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TASKS = ("next_line", "next_line_any", "json_bpb")  # in the loop
-CONTROLS = ("next_line_control", "next_line_any_control")  # at the last step only (run.py)
+TASKS = ("next_line", "next_indent", "json_bpb")  # in the loop
+CONTROLS = ("next_line_control", "next_indent_control")  # at the last step only (run.py)
 ARGS = ("0", "1", "2", "3", "4")
-STEPS, EVERY = 400, 25
+STEPS, EVERY = 400, 40
 
 
 def task_paths() -> str:

@@ -8,8 +8,11 @@ packages); the tasks come from two packages that glob never matches:
   next_line.jsonl   multiple_choice over email/**/*.py: a context of up to 6 whole lines, and 4 choices, the
                     true next line and 3 other lines of the same file with the same indentation (so that
                     neither indentation nor the file's vocabulary gives the answer away). Chance: 25%.
-  next_line_any.jsonl  the same positions and contexts, the 3 distractors drawn from the same file at any
-                    indentation (easier: indentation after `:` or a dedent is a cue). Chance: 25%.
+  next_indent.jsonl the same positions and contexts; the 4 choices are the true next line at its own
+                    indentation and at the 3 nearest other multiples of 4 spaces: the same text, so the
+                    choices' own likelihoods nearly cancel and only the context tells. Chance: 25%.
+  *_control.jsonl   each doc of the two above with another doc's context (a fixed derangement): the
+                    accuracy that the choices alone give.
   json_bpb.jsonl    perplexity (bits per byte) over json/*.py, one doc per top-level block.
 
 BOS + context + the longest choice fit in 128 bytes (= tokens of the byte tokenizer = train.seq_len), so
@@ -72,8 +75,20 @@ def control(docs: list[dict], seed: int = 1) -> list[dict]:
           for d, j in zip(docs, order)]
 
 
+def indent_choices(rng: random.Random, target: str) -> list[str] | None:
+  """The target's text at its own indentation and at the 3 nearest other multiples of 4 spaces (ties
+  drawn at random), or None for a line not indented by a multiple of 4 spaces (a continuation line)."""
+  n, text = len(indent(target)), target.lstrip()
+  if "\t" in indent(target) or n % 4:
+    return None
+  levels = [k for k in range(0, n + 16, 4) if k != n]
+  rng.shuffle(levels)
+  levels = sorted(levels, key=lambda k: abs(k - n))[:CHOICES - 1]
+  return [" " * k + text for k in levels]
+
+
 def next_line_docs(train_text: str, n_docs: int, seed: int = 0):
-  """(same-indentation docs, any-indentation docs, dropped counts): the same positions and contexts."""
+  """(next_line docs, next_indent docs, dropped counts): the same positions and contexts."""
   rng = random.Random(seed)
   positions, lines_of = [], {}
   for path in package_files(MC_PACKAGE):
@@ -81,7 +96,7 @@ def next_line_docs(train_text: str, n_docs: int, seed: int = 0):
     lines_of[path] = lines
     positions += [(path, i) for i in range(1, len(lines)) if candidate(lines[i]) and lines[i - 1].strip()]
   rng.shuffle(positions)
-  same, anyi, dropped = [], [], {"in_training_text": 0, "no_distractors": 0, "too_long": 0}
+  same, indents, dropped = [], [], {"in_training_text": 0, "no_distractors": 0, "too_long": 0}
   for path, i in positions:
     if len(same) == n_docs:
       break
@@ -89,19 +104,19 @@ def next_line_docs(train_text: str, n_docs: int, seed: int = 0):
     target = lines[i]
     # every line of the file that could be a target, repeats kept: distractors are drawn as often as
     # the targets are (a line such as "else:" is a frequent target, so it is a frequent distractor)
-    pool = [x for x in lines if candidate(x) and x.strip() != target.strip()]
-    same_pool = [x for x in pool if indent(x) == indent(target)]
-    if len(set(same_pool)) < CHOICES - 1:
+    pool = [x for x in lines if candidate(x) and x.strip() != target.strip() and indent(x) == indent(target)]
+    d_indent = indent_choices(rng, target)
+    if len(set(pool)) < CHOICES - 1 or d_indent is None:
       dropped["no_distractors"] += 1
       continue
-    d_same, d_any = draw(rng, same_pool), draw(rng, pool)
-    longest = max(nbytes(x) for x in [target, *d_same, *d_any])
+    d_same = draw(rng, pool)
+    longest = max(nbytes(x) for x in [target, *d_same, *d_indent])
     context_lines = []
     for j in range(i - 1, max(-1, i - 1 - MAX_CONTEXT_LINES), -1):  # whole lines back from the target
       if 1 + nbytes("\n".join([lines[j], *context_lines]) + "\n") + longest > BUDGET:
         break
       context_lines.insert(0, lines[j])
-    if not context_lines or not "".join(context_lines).strip():
+    if not context_lines or not "".join(context_lines).strip() or "\t" in "".join(context_lines):
       dropped["too_long"] += 1
       continue
     context = "\n".join(context_lines) + "\n"
@@ -109,12 +124,12 @@ def next_line_docs(train_text: str, n_docs: int, seed: int = 0):
       dropped["in_training_text"] += 1
       continue
     source = os.path.relpath(path, STDLIB)
-    for docs, distractors in ((same, d_same), (anyi, d_any)):
+    for docs, distractors in ((same, d_same), (indents, d_indent)):
       gold = rng.randrange(CHOICES)
       choices = list(distractors)
       choices.insert(gold, target)
       docs.append({"context": context, "choices": choices, "gold": gold, "source": f"{source}:{i + 1}"})
-  return same, anyi, dropped
+  return same, indents, dropped
 
 
 def bpb_docs() -> list[dict]:
@@ -149,19 +164,19 @@ def main():
   overlap = set(train_files) & set(task_files)
   assert not overlap, f"task sources in the training glob: {sorted(overlap)}"
   train_text = "\n".join(open(p, encoding="utf-8", errors="replace").read() for p in train_files)
-  same, anyi, dropped = next_line_docs(train_text, args.docs)
+  same, indents, dropped = next_line_docs(train_text, args.docs)
   bpb = bpb_docs()
   os.makedirs(args.out, exist_ok=True)
   header = {"kind": "multiple_choice", "target_delimiter": ""}
   write(os.path.join(args.out, "next_line.jsonl"), header, same)
-  write(os.path.join(args.out, "next_line_any.jsonl"), header, anyi)
+  write(os.path.join(args.out, "next_indent.jsonl"), header, indents)
   write(os.path.join(args.out, "json_bpb.jsonl"), {"kind": "perplexity"}, bpb)
   write(os.path.join(args.out, "next_line_control.jsonl"), header, control(same))
-  write(os.path.join(args.out, "next_line_any_control.jsonl"), header, control(anyi))
-  longest = max(1 + nbytes(d["context"]) + max(nbytes(c) for c in d["choices"]) for d in same + anyi)
+  write(os.path.join(args.out, "next_indent_control.jsonl"), header, control(indents))
+  longest = max(1 + nbytes(d["context"]) + max(nbytes(c) for c in d["choices"]) for d in same + indents)
   print(f"stdlib {STDLIB}: training glob {len(train_files)} files; {MC_PACKAGE}/ {len(package_files(MC_PACKAGE))} "
         f"files, {BPB_PACKAGE}/ {len(package_files(BPB_PACKAGE))} files, none in the glob")
-  print(f"next_line, next_line_any: {len(same)} docs each (dropped {dropped}); longest request "
+  print(f"next_line, next_indent: {len(same)} docs each (dropped {dropped}); longest request "
         f"{longest} bytes with BOS (budget {BUDGET}); mean context "
         f"{sum(d['context'].count(chr(10)) for d in same) / len(same):.2f} lines")
   print(f"json_bpb: {len(bpb)} docs, {sum(nbytes(d['text']) for d in bpb):,} bytes; wrote {args.out}")
