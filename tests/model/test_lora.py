@@ -1,0 +1,74 @@
+"""LoRA's pure functions: which weights a pattern names, adapters shaped and named after their
+weight (scanned layers and experts as batch axes), and the merge against a numpy reference."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.model import ModelConfig, Transformer, lora
+
+
+def boxed_params(**model):
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                    d_ff=64, max_seq_len=32, **model)
+  return Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+def at(tree, name: str):
+  for key in name.split("/"):
+    tree = tree[key]
+  return tree
+
+
+def test_targets_by_full_match_of_known_kinds():
+  params = boxed_params()
+  assert lora.targets(params, r".*attn/(q|v)") == ["layers/attn/q", "layers/attn/v"]
+  assert lora.targets(params, r"layers/mlp/.*") == ["layers/mlp/down", "layers/mlp/gate",
+                                                     "layers/mlp/up"]
+  # a full match: "q" alone names nothing; norms and the embedding are no known kind
+  assert lora.targets(params, "q") == [] and lora.targets(params, ".*(norm|embed).*") == []
+
+
+def test_adapters_take_the_weights_logical_names_and_batch_axes():
+  params = boxed_params(n_experts=4, top_k=2, d_ff_expert=16)
+  names = lora.targets(params, r".*(attn/o|moe/down)")
+  adapters = lora.init(jax.random.key(1), params, names, rank=3)
+  got = {n: {k: (v.value.shape, v.names) for k, v in at(adapters, n).items()}
+         for n in names}
+  assert got["layers/attn/o"] == {  # [Z, H, K, D]: two input axes
+      "a": ((2, 4, 8, 3), ("layers", "heads", "head_dim", None)),
+      "b": ((2, 3, 32), ("layers", None, "embed"))}
+  assert got["layers/moe/down"] == {  # [Z, E, F, D]: experts are a batch axis
+      "a": ((2, 4, 16, 3), ("layers", "expert", "mlp", None)),
+      "b": ((2, 4, 3, 32), ("layers", "expert", None, "embed"))}
+  a = np.asarray(nn.unbox(adapters)["layers"]["attn"]["o"]["a"])
+  bound = 1 / np.sqrt(4 * 8)  # fan in: H x K
+  assert 0.9 * bound < np.abs(a).max() <= bound and not nn.unbox(adapters)["layers"]["attn"]["o"][
+      "b"].any()
+
+
+def test_merge_with_zero_b_is_the_base_bitwise_and_otherwise_w_plus_scaled_ab():
+  base = nn.unbox(boxed_params())
+  names = lora.targets(base, r".*attn/(q|o)|.*mlp/up")
+  adapters = nn.unbox(lora.init(jax.random.key(1), base, names, rank=4))
+  merged = lora.merge(base, adapters, alpha=8.0, rank=4)
+  for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(merged)):
+    assert x.dtype == y.dtype and np.array_equal(x, y)
+  adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape),
+                          adapters)
+  merged = lora.merge(base, adapters, alpha=8.0, rank=4)
+  ad = adapters["layers"]
+  want = {  # per layer z: W_z + 2 * A_z @ B_z, the input and output axes flattened
+      "q": np.einsum("zdr,zrhk->zdhk", ad["attn"]["q"]["a"], ad["attn"]["q"]["b"]),
+      "o": np.einsum("zhkr,zrd->zhkd", ad["attn"]["o"]["a"], ad["attn"]["o"]["b"]),
+      "up": np.einsum("zdr,zrf->zdf", ad["mlp"]["up"]["a"], ad["mlp"]["up"]["b"])}
+  got = {"q": merged["layers"]["attn"]["q"] - base["layers"]["attn"]["q"],
+         "o": merged["layers"]["attn"]["o"] - base["layers"]["attn"]["o"],
+         "up": merged["layers"]["mlp"]["up"] - base["layers"]["mlp"]["up"]}
+  for k in want:
+    np.testing.assert_allclose(got[k], 2 * want[k], rtol=1e-4, atol=1e-6)
+  assert np.array_equal(merged["layers"]["attn"]["k"], base["layers"]["attn"]["k"])
+  # bfloat16 weights stay bfloat16 (the sum in float32)
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)
+  assert lora.merge(bf16, adapters, 8.0, 4)["layers"]["attn"]["q"].dtype == jnp.bfloat16
