@@ -1,8 +1,8 @@
 """Low-rank adapters (LoRA, Hu et al., 2021): W + alpha / r * A @ B on the weights a pattern names.
 
 A weight's axes are [*batch, *in, *out]: its kind (its last name, WEIGHTS) says how many input and
-output axes it has, and any axes before them (the scanned `layers` axis, MoE experts) are batch axes,
-one adapter each. Adapters mirror the params' tree, a target leaf becoming {"a": [*batch, *in, r],
+output axes it has, and any axes before them (the scanned `layers` axis, MoE experts) are batch
+axes, one adapter each. Adapters mirror the params' tree, a target leaf becoming {"a": [*batch, *in, r],
 "b": [*batch, r, *out]}, boxed with the weight's logical names so that they shard like it. A starts
 as PEFT's (uniform over +-1/sqrt(fan in)), B as zeros, so the model starts exactly as the base.
 Pure functions over jnp or numpy leaves; no jit here.
@@ -33,7 +33,8 @@ def targets(params, pattern: str) -> list[str]:
   """The paths of the weights that `pattern` (a regex, full match) names, in tree order; only
   weights of a known kind (WEIGHTS) are targets."""
   regex = re.compile(pattern)
-  names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]]
+  leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)[0]
+  names = [path_name(p) for p, _ in leaves]
   return [n for n in names if n.split("/")[-1] in WEIGHTS and regex.fullmatch(n)]
 
 
