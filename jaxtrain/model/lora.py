@@ -2,10 +2,10 @@
 
 A weight's axes are [*batch, *in, *out]: its kind (its last name, WEIGHTS) says how many input and
 output axes it has, and any axes before them (the scanned `layers` axis, MoE experts) are batch
-axes, one adapter each. Adapters mirror the params' tree, a target leaf becoming {"a": [*batch, *in, r],
-"b": [*batch, r, *out]}, boxed with the weight's logical names so that they shard like it. A starts
-as PEFT's (uniform over +-1/sqrt(fan in)), B as zeros, so the model starts exactly as the base.
-Pure functions over jnp or numpy leaves; no jit here.
+axes, one adapter each. Adapters mirror the params' tree, a target leaf becoming
+{"a": [*batch, *in, r], "b": [*batch, r, *out]}, boxed with the weight's logical names so that they
+shard like it. A starts as PEFT's (uniform over +-1/sqrt(fan in)), B as zeros, so the model starts
+exactly as the base. Pure functions over jnp or numpy leaves; no jit here.
 """
 
 import math
