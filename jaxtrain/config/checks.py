@@ -32,7 +32,7 @@ def validate(cfg, device_count: int) -> dict[str, int]:
   validate_model(cfg, shape)
   validate_train(cfg, shape)
   validate_data(cfg)
-  validate_posttrain(cfg)
+  validate_posttrain(cfg, shape)
   validate_optim(cfg)
   validate_comm(cfg, shape)
   validate_checkpoint(cfg)

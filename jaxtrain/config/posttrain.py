@@ -53,6 +53,11 @@ def posttrain_defaults() -> ml_collections.ConfigDict:
   p.top_k = 0  # sampling: 0 = the whole vocabulary
   p.top_p = 1.0  # sampling: nucleus mass (1.0 = off)
   p.clip_eps = 0.2  # the clipped ratio's epsilon
+  # rollout reuse (TRL, OpenRLHF): each rollout batch (train.batch_size prompts x group_size) is
+  # trained on for ppo_epochs passes, each in `minibatches` shuffled minibatches, one optimizer step
+  # (one train.steps) per minibatch; 1, 1: one step per rollout batch, the ratio stays 1
+  p.ppo_epochs = 1
+  p.minibatches = 1
   # KL to the frozen reference: grpo's loss term (k3), ppo's per-token reward penalty (k1); 0 = none
   p.kl_coef = 0.04
   p.aggregate = "token"  # one of RL_AGGREGATES: a loss unit is a response token or a sequence
@@ -69,9 +74,9 @@ def posttrain_defaults() -> ml_collections.ConfigDict:
   return p
 
 
-def validate_posttrain(cfg) -> None:
-  """The posttrain section and what the task needs of the others. Paths are read, and their errors
-  reported, by the task; an unknown train.task by builder.make_task."""
+def validate_posttrain(cfg, shape: dict[str, int]) -> None:
+  """The posttrain section and what the task needs of the others (`shape`: the mesh's). Paths are
+  read, and their errors reported, by the task; an unknown train.task by builder.make_task."""
   t, p = cfg.train, cfg.posttrain
   check_choice("posttrain.loss", p.loss, PREFERENCE_LOSSES)
   for key in FIELDS:
@@ -87,6 +92,21 @@ def validate_posttrain(cfg) -> None:
           f"posttrain: group_size={p.group_size} (grpo: >= 2, ppo: >= 1), "
           f"max_new_tokens={p.max_new_tokens} (>= 1) and top_k={p.top_k} (>= 0) out of "
           "range")
+    samples = t.batch_size * p.group_size if isinstance(t.batch_size, int) else 0
+    data_ways = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"]
+    sized = all(isinstance(x, int) for x in (t.batch_size, t.microbatches))  # not "auto"
+    if p.ppo_epochs < 1 or p.minibatches < 1 or sized and samples % p.minibatches or sized and (
+        samples // p.minibatches) % (data_ways * t.microbatches):
+      raise ConfigError(
+          f"posttrain: ppo_epochs={p.ppo_epochs} (>= 1) and minibatches={p.minibatches}: the "
+          f"{samples} samples of a rollout (train.batch_size x group_size) must split into "
+          f"minibatches that divide into {t.microbatches} microbatch(es) over the {data_ways} "
+          "data-parallel devices")
+    if p.top_p < 1.0:
+      raise ConfigError(
+          f"posttrain.top_p={p.top_p}: {t.task}'s importance ratios need the log-probs of the "
+          "distribution the tokens were drawn from, and the loss does not rebuild a nucleus; "
+          "use posttrain.top_k (renormalized in the loss) or top_p=1.0")
     if t.seq_len - p.max_new_tokens < 2:
       raise ConfigError(f"train.seq_len={t.seq_len} leaves fewer than 2 prompt slots before "
                         f"posttrain.max_new_tokens={p.max_new_tokens}")

@@ -7,8 +7,11 @@ group_size samples per prompt; the responses decoded on the host and scored by t
 reward model's score added when posttrain.reward_model names one); their log-probs under the sampler
 (logp_old) and under the frozen reference (task_state, sharded like the policy, the
 checkpoint.init_from params like DPO's); GRPO's group advantages. The step's loss is then
-rl.grpo_loss on the policy's log-probs: one optimizer step per rollout batch. Rollout keys are
-fold_in(seed, step): resuming mid-run samples what the uninterrupted run samples.
+rl.grpo_loss on the policy's log-probs. With posttrain.ppo_epochs x minibatches > 1 a rollout batch
+is trained on for that many steps, one shuffled minibatch each (posttrain/reuse.py), and the ratio
+moves; 1 x 1: one optimizer step per rollout batch. Rollout keys are fold_in(seed, step): resuming
+mid-run samples what the uninterrupted run samples. The log-probs are those of the distribution the
+tokens were drawn from (top-k renormalized, rl.sampled_logprobs; top-p is refused).
 
 Bad input never stops a run: a reward function that raises or returns a non-finite value is counted
 (by kind and by function, logged every step) and its samples get 0; a prompt longer than the prompt
@@ -32,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain import config as config_lib, metrics as metrics_lib, parallel
 from jaxtrain.model import ModelConfig, Transformer, active_mlp_params, param_count
-from jaxtrain.posttrain import data as data_lib, rl, rollout as rollout_lib
+from jaxtrain.posttrain import data as data_lib, reuse, rl, rollout as rollout_lib
 from jaxtrain.posttrain.prompts import PromptBatches, Prompts
 from jaxtrain.core.task import Task
 
@@ -80,7 +83,9 @@ class RlTask(Task):
     self.group_size = self._group_size()
     self.samples = t.batch_size * self.group_size
     self.width = t.seq_len - self.p.max_new_tokens  # prompt slots
-    self.tokens_per_batch = self.samples * t.seq_len
+    self.schedule = reuse.Schedule(int(self.p.ppo_epochs), int(self.p.minibatches), self.samples,
+                                   int(t.seed))
+    self.tokens_per_batch = self.schedule.rows * t.seq_len  # a step's: one minibatch
     self.flops_per_token = metrics_lib.train_flops_per_token(
         m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, t.seq_len,
         mlp_params=active_mlp_params(m))
@@ -113,6 +118,8 @@ class RlTask(Task):
     self.reward_fns = spec  # (name or callable, weight) pairs, as rewards.evaluate takes them
     self.labels = _unique([label for label, _, _ in _rewards().resolve(spec)])  # evaluate's labels
     self._prompts = self._tokenizer = self._rollout = self._prepare = self._mesh = None
+    self._store = reuse.Store(os.path.join(workdir, reuse.ROLLOUTS_DIR))
+    self._held = None  # (rollout batch index, its arrays on the host) while it is reused
 
   def _group_size(self) -> int:
     return int(self.p.group_size)
@@ -159,7 +166,8 @@ class RlTask(Task):
     if split != "train":
       raise config_lib.ConfigError(
           f"train.task={self.cfg.train.task!r} has no eval split (train.eval_every=0)")
-    return PromptBatches(self.prompts, self.batch_size, int(self.cfg.train.seed), lo, hi)
+    return PromptBatches(self.prompts, self.batch_size, int(self.cfg.train.seed), lo, hi,
+                         repeat=self.schedule.steps_per_rollout)
 
   def constants(self):
     c = self.prompts.counts
@@ -201,8 +209,28 @@ class RlTask(Task):
         jax.random.fold_in(jax.random.key(int(self.cfg.train.seed)), _KEY_TAG), step)
 
   def make_batch(self, params, extra, task_state, batch, step):
+    """The step's batch: the rollout batch sampled now, or (rollout reuse) this step's minibatch of
+    the one sampled at the rollout's first step, held on the host and in WORKDIR/rl_rollouts."""
+    self._mesh = batch["prompts"].sharding.mesh
+    s = self.schedule
+    if s.steps_per_rollout == 1:
+      return self.rollout_batch(params, task_state, batch, step)
+    rollout, index = s.where(step)
+    if index == 0:
+      arrays = jax.device_get(self.rollout_batch(params, task_state, batch, step))
+      self._held = (rollout, {k: np.asarray(v) for k, v in arrays.items()})
+      self._store.save(rollout, self._held[1])
+    elif self._held is None or self._held[0] != rollout:
+      self._held = (rollout, self._store.load(rollout, step))
+    rows, sharding = s.minibatch_rows(step), parallel.batch_sharding(self._mesh)
+    # the rollout's fault counts once, on the first minibatch's row 0
+    return {k: jax.device_put(
+        _on_row0(v.sum() if index == 0 else 0, len(rows)) if k.startswith("faults_") else v[rows],
+        sharding) for k, v in self._held[1].items()}
+
+  def rollout_batch(self, params, task_state, batch, step):
+    """All the samples of a rollout batch: rollouts, rewards, log-probs and advantages."""
     prompts_BP, lens_B = batch["prompts"], batch["prompt_lens"]
-    self._mesh = prompts_BP.sharding.mesh
     # jitted once the mesh is known: the batch leaves laid out as a fed one
     if self._rollout is None:
       p = self.p
@@ -274,8 +302,9 @@ class RlTask(Task):
     return logits_NTV.astype(jnp.float32) / self.p.temperature
 
   def token_logps(self, logits_NTV, batch):
-    return rl.token_logprobs(self.scaled(logits_NTV), batch["tokens"][:,
-                                                                      self.width:]) * batch["mask"]
+    """The response tokens' log-probs under the sampling distribution (top-k renormalized)."""
+    return rl.sampled_logprobs(self.scaled(logits_NTV), batch["tokens"][:, self.width:],
+                               int(self.p.top_k)) * batch["mask"]
 
   def host_sums(self, batch) -> dict:
     """The rollouts' statistics as sums over samples (metrics divides by "samples")."""
@@ -293,7 +322,7 @@ class RlTask(Task):
     count, n = jnp.maximum(sums["count"], 1.0), jnp.maximum(sums["samples"], 1.0)
     out = {"loss": sums["loss"] / count}
     for k in ("policy_loss", "value_loss", "kl", "entropy", "clip_fraction", "value_clip_fraction",
-              "approx_kl"):
+              "ratio_mean", "approx_kl"):
       if k in sums:
         out[k] = sums[k] / count
     mean = sums["reward"] / n

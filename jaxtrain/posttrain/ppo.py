@@ -7,8 +7,11 @@ hidden states, trained jointly: params = {decoder..., "value_head": {"w": [D], "
 `make_batch`, after the rewards: the values of the sampling params at each response token (V_old),
 per-token rewards = -kl_coef * k1(logp_old, logp_ref) with the sequence's reward added on its last
 token (rl.kl_penalized_rewards), then rl.gae -> advantages (whitened over the batch's response
-tokens) and returns. The loss: rl.ppo_policy_loss + value_coef * rl.ppo_value_loss, one optimizer
-step per rollout batch.
+tokens) and returns, all over the whole rollout batch. The loss: rl.ppo_policy_loss + value_coef *
+rl.ppo_value_loss (clipped around V_old by posttrain.value_clip), one optimizer step per rollout
+batch, or posttrain.ppo_epochs passes of posttrain.minibatches shuffled minibatches over it
+(posttrain/reuse.py), where the ratio and the values move away from the sampler's and the clips
+bind.
 """
 
 import flax.linen as nn

@@ -57,11 +57,13 @@ class Prompts:
 
 
 class PromptBatches:
-  """Consecutive global batches of prompt rows, shuffled per epoch by the seed; rows lo:hi of each.
-  State: the number of batches drawn (exact resume)."""
+  """Consecutive global batches of prompt rows, shuffled per epoch by the seed; rows lo:hi of each,
+  each batch `repeat` times (a rollout batch reused for that many steps, posttrain/reuse.py). State:
+  the number of batches drawn (exact resume)."""
 
-  def __init__(self, prompts: Prompts, batch_size: int, seed: int, lo: int, hi: int):
-    self.p, self.batch_size, self.seed = prompts, batch_size, seed
+  def __init__(self, prompts: Prompts, batch_size: int, seed: int, lo: int, hi: int,
+               repeat: int = 1):
+    self.p, self.batch_size, self.seed, self.repeat = prompts, batch_size, seed, repeat
     self.lo, self.hi, self.drawn = lo, hi, 0
 
   def rows(self, index: int) -> np.ndarray:
@@ -78,7 +80,7 @@ class PromptBatches:
     return self
 
   def __next__(self) -> dict:
-    rows = self.rows(self.drawn)[self.lo:self.hi]
+    rows = self.rows(self.drawn // self.repeat)[self.lo:self.hi]
     self.drawn += 1
     return {"prompts": self.p.ids_RP[rows], "prompt_lens": self.p.lens_R[rows],
             "row": rows.astype(np.int32)}

@@ -29,6 +29,21 @@ def token_logprobs(logits_BTV, targets_BT):
   return picked_BT - jax.nn.logsumexp(logits_BTV, axis=-1)
 
 
+def sampled_logprobs(logits_BTV, targets_BT, top_k: int = 0):
+  """log-probs of the targets under the distribution a top-k sampler draws from: softmax of the
+  logits renormalized over the top_k largest (0: the whole vocabulary, `token_logprobs`), float32
+  [B, T]. A target outside the top k (possible once the params moved away from those that sampled
+  it) keeps its own logit over the same normalizer: finite, and smaller than any kept token's."""
+  if top_k <= 0:
+    return token_logprobs(logits_BTV, targets_BT)
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  kth_BT1 = jax.lax.top_k(logits_BTV, top_k)[0][..., -1:]
+  kept_BTV = jnp.where(logits_BTV < jax.lax.stop_gradient(kth_BT1), -jnp.inf, logits_BTV)
+  picked_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None].astype(jnp.int32),
+                                  axis=-1)[..., 0]
+  return picked_BT - jax.nn.logsumexp(kept_BTV, axis=-1)
+
+
 def entropy(logits_BTV):
   """Entropy of softmax(logits) per token, float32 [B, T]."""
   logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
@@ -124,17 +139,24 @@ def clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, clip_eps: float,
   return -jnp.minimum(unclipped_BT, clipped_BT), (clipped_BT < unclipped_BT).astype(jnp.float32)
 
 
+def _ratio_sum(logp_BT, logp_old_BT, mask_BT, how: str):
+  """The importance ratio exp(logp - logp_old) summed over units (no gradient): 1 per unit at the
+  sampling params, moving away from 1 as a rollout batch is reused (posttrain.ppo_epochs)."""
+  return aggregate(jax.lax.stop_gradient(jnp.exp(logp_BT - logp_old_BT)), mask_BT, how)[0]
+
+
 def ppo_policy_loss(logp_BT, logp_old_BT, advantages_BT, mask_BT, clip_eps: float,
                     clip_eps_high: float | None = None, how: str = "token"):
   """PPO policy loss: (objective summed over units, sums) with sums "policy_loss", "clip_fraction"
-  (tokens where the clip binds), "approx_kl" (KL(old || new) by k3 on the old policy's samples:
-  ratio - 1 - log ratio) and "count". The KL penalty to the reference goes into the rewards
-  (`kl_penalized_rewards`), as in InstructGPT; for KL as a loss term, add `beta *
+  (tokens where the clip binds), "ratio_mean", "approx_kl" (KL(old || new) by k3 on the old
+  policy's samples: ratio - 1 - log ratio) and "count". The KL penalty to the reference goes into
+  the rewards (`kl_penalized_rewards`), as in InstructGPT; for KL as a loss term, add `beta *
   aggregate(kl_k3(logp, logp_ref), mask, how)[0]` to the objective."""
   loss_BT, clipped_BT = clipped_surrogate(logp_BT, logp_old_BT, advantages_BT, clip_eps,
                                           clip_eps_high)
   loss, count = aggregate(loss_BT, mask_BT, how)
   sums = {"policy_loss": loss, "clip_fraction": aggregate(clipped_BT, mask_BT, how)[0],
+          "ratio_mean": _ratio_sum(logp_BT, logp_old_BT, mask_BT, how),
           "approx_kl": aggregate(jax.lax.stop_gradient(kl_k3(logp_old_BT, logp_BT)), mask_BT,
                                  how)[0],
           "count": count}
@@ -178,7 +200,7 @@ def grpo_loss(logp_BT, logp_old_BT, logp_ref_BT, advantages_B, mask_BT, clip_eps
   beta * k3(policy || ref); aggregated by `how` (module docstring). Rows are samples ([prompts * G];
   their advantages from `group_advantages(...).reshape(-1)`); `logp_ref_BT` is ignored when beta ==
   0. Returns (objective summed over units, sums): "loss", "policy_loss", "kl" (k3), "clip_fraction",
-  "entropy" when `entropy_BT` is given, and "count"."""
+  "ratio_mean", "entropy" when `entropy_BT` is given, and "count"."""
   loss_BT, clipped_BT = clipped_surrogate(logp_BT, logp_old_BT, advantages_B[:, None], clip_eps,
                                           clip_eps_high)
   policy_loss, count = aggregate(loss_BT, mask_BT, how)
@@ -186,7 +208,8 @@ def grpo_loss(logp_BT, logp_old_BT, logp_ref_BT, advantages_B, mask_BT, clip_eps
   kl = aggregate(kl_BT, mask_BT, how)[0]
   loss = policy_loss + beta * kl
   sums = {"loss": loss, "policy_loss": policy_loss, "kl": jax.lax.stop_gradient(kl),
-          "clip_fraction": aggregate(clipped_BT, mask_BT, how)[0], "count": count}
+          "clip_fraction": aggregate(clipped_BT, mask_BT, how)[0],
+          "ratio_mean": _ratio_sum(logp_BT, logp_old_BT, mask_BT, how), "count": count}
   if entropy_BT is not None:
     sums["entropy"] = aggregate(jax.lax.stop_gradient(entropy_BT), mask_BT, how)[0]
   return loss, sums

@@ -53,14 +53,14 @@ def filter_logits(logits_BV, top_k: int, top_p: float):
 
 def sample(logits_BV, rng, temperature: float, top_k: int, top_p: float):
   """(token_B, logp_B): greedy when temperature == 0, else a draw from softmax(logits / T) filtered
-  by top-k and top-p. logp is log softmax(logits / T) at the token (T == 0: of the logits), over the
-  whole vocabulary, unfiltered: what a PPO/GRPO loss recomputes from the policy's logits (its
-  logp_old)."""
+  by top-k and top-p. logp is the token's log-probability under the distribution it was drawn from:
+  log softmax of the filtered logits / T, renormalized over the kept tokens (T == 0: log softmax of
+  the logits). A PPO/GRPO loss recomputes it from the policy's logits with rl.sampled_logprobs
+  (top-k; RL refuses top-p, whose nucleus the loss does not rebuild)."""
   logits_BV = logits_BV.astype(jnp.float32)
   if temperature > 0:
-    logits_BV = logits_BV / temperature
-    token_B = jax.random.categorical(rng, filter_logits(logits_BV, top_k, top_p),
-                                     axis=-1).astype(jnp.int32)
+    logits_BV = filter_logits(logits_BV / temperature, top_k, top_p)
+    token_B = jax.random.categorical(rng, logits_BV, axis=-1).astype(jnp.int32)
   else:
     token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   return token_B, token_logprobs(logits_BV, token_B)

@@ -106,7 +106,9 @@ def test_stop_tokens_end_rows(setup, greedy):
 def test_sampling_logprobs_equal_full_forward(setup, temperature, top_k):
   out = run(setup, seed=3, temperature=temperature, top_k=top_k)
   logits = full_forward_logits(setup, out.tokens_BN) / temperature
-  logsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+  # the distribution the tokens came from: the softmax renormalized over the row's top k
+  kept = logits if not top_k else np.where(logits < np.sort(logits, -1)[..., -top_k:-top_k + 1], -np.inf, logits)
+  logsm = logits - np.log(np.exp(kept - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
       -1, keepdims=True)
   want = np.take_along_axis(logsm, out.tokens_BN[..., None], -1)[..., 0]
   np.testing.assert_allclose(out.logp_BN, want, rtol=1e-4, atol=1e-5)
@@ -119,7 +121,7 @@ def test_sampling_logprobs_equal_full_forward(setup, temperature, top_k):
   model, params, prompts, _ = setup
   tokens, positions, segments = rollout_lib.sequence_inputs(prompts, jnp.asarray(LENS), out.tokens_BN)
   full = jax.jit(model.apply)({"params": params}, tokens, positions, segments) / temperature
-  got = rl.token_logprobs(rollout_lib.response_logits(full, P, N), out.tokens_BN)
+  got = rl.sampled_logprobs(rollout_lib.response_logits(full, P, N), out.tokens_BN, top_k)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
