@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxtrain import checkpoint, config as config_lib, optim, parallel
-from jaxtrain.core import offload, state as state_lib
+from jaxtrain.core import lora, offload, state as state_lib
 from jaxtrain.core.lm import LanguageModel
 from jaxtrain.core.step import make_train_step
 from jaxtrain.posttrain import Dpo, Grpo, Ppo, RewardModel, Sft
@@ -57,12 +57,13 @@ def check_offload(offload: str, platform: str) -> None:
 
 
 def make_task(cfg, workdir: str):
-  """The task train.task names (TASKS)."""
+  """The task train.task names (TASKS), trained through adapters with model.lora_rank > 0."""
   name = cfg.train.task
   if name not in TASKS:
     raise config_lib.ConfigError(
         f"train.task={name!r}: choose one of {', '.join(TASKS)} (or pass task=)")
-  return TASKS[name](cfg, workdir)
+  task = TASKS[name](cfg, workdir)
+  return lora.Lora(task, cfg) if cfg.model.lora_rank else task
 
 
 def compile_steps(cfg, mesh, task, tx, schedule, shardings):
@@ -100,10 +101,11 @@ def per_replica_metrics(cfg) -> bool:
 def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, step=None,
                   offload: str = "none"):
   """The newest (or `step`) checkpoint read straight into its shardings (nothing initialized first;
-  `offload`: train.offload): (state, shardings, data_state, restore metrics row)."""
+  `offload`: train.offload): (state, shardings, data_state, restore metrics row). What checkpoints
+  leave out (a LoRA run's frozen base) is read again from its source."""
   shardings = state_lib.state_shardings(task, tx, mesh, rules_name, offload)
   state, data_state, _, row = ckpts.restore(state_lib.abstract_state(task, tx), shardings, step)
-  return state, shardings, data_state, row
+  return lora.refill(state, shardings, init_params), shardings, data_state, row
 
 
 def init_params(path: str, like):

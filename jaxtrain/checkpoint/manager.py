@@ -348,7 +348,7 @@ class Checkpoints:
     state = flax.serialization.from_state_dict(abstract_state, restored.state)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(restored.state))  # what was read
     row = {"event": "checkpoint_restore", "tier": tier.name, "restore_s": seconds,
            "restore_bytes": nbytes, "restore_MBps": nbytes / seconds / 1e6}
     return state, restored.data, restored.meta, row

@@ -6,6 +6,7 @@ dict; a converted checkpoint has only `params`), `meta` (JSON: format, config, t
 training checkpoint, `data`. Imports hf (for HF directories and the model), never convert.
 """
 
+import dataclasses
 import json
 import os
 
@@ -146,9 +147,9 @@ def read_step(src: str, step: int | None = None):
   it, its params and its non-trainable model collections (TrainState.extra, e.g. MoE expert biases;
   {} for a converted model) as numpy. Partial restore: no optimizer state or data item is read."""
   mngr, step = find_step(src, step)
-  return read_config(src, mngr, step), restore_params(mngr, step,
-                                                      params_metadata(mngr,
-                                                                      step)), _extra(mngr, step)
+  cfg = read_config(src, mngr, step)
+  params = _merged(cfg, restore_params(mngr, step, params_metadata(mngr, step)))
+  return cfg, params, _extra(mngr, step)
 
 
 def load_extra(src: str, step: int | None = None) -> dict:
@@ -164,10 +165,26 @@ def _extra(mngr, step: int) -> dict:
 
 
 def load_params(src: str, step: int | None = None):
-  """(ModelConfig, params as numpy) of a workdir's or tier's newest step (or `step`)."""
+  """(ModelConfig, params as numpy) of a workdir's or tier's newest step (or `step`); a LoRA run's
+  are its merged full weights (and its ModelConfig says lora_rank=0)."""
   mngr, step = find_step(src, step)
-  cfg = model_config(read_config(src, mngr, step), mngr, step)
-  return cfg, restore_params(mngr, step, params_metadata(mngr, step))
+  saved = read_config(src, mngr, step)
+  cfg = model_config(saved, mngr, step)
+  params = _merged(saved, restore_params(mngr, step, params_metadata(mngr, step)))
+  return dataclasses.replace(cfg, lora_rank=0), params
+
+
+def _merged(saved, params: dict) -> dict:
+  """The full weights of a step whose saved config is `saved`: its params, or for a LoRA run
+  (model.lora_rank > 0: its params are adapters) its base (checkpoint.init_from, read by
+  load_params) with the adapters merged in."""
+  m = saved.get("model", {})
+  if not m.get("lora_rank"):
+    return params
+  from jaxtrain.model import lora
+  _, base = load_params(saved["checkpoint"]["init_from"])
+  merged = lora.merge(base, params, m["lora_alpha"], m["lora_rank"])
+  return _numpy(merged)
 
 
 def load_pretrained(path: str):
@@ -183,6 +200,11 @@ def load_pretrained(path: str):
     extra = load_extra(path)
   model = hf.Transformer(cfg)
   return cfg, params, lambda p, tokens_BL: model.apply({"params": p, **extra}, tokens_BL)
+
+
+def _numpy(tree):
+  import jax
+  return jax.tree.map(np.asarray, tree)
 
 
 def read_json(path: str):

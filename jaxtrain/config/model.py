@@ -3,6 +3,7 @@ take, and its checks. No jax import here."""
 
 import dataclasses
 import math
+import re
 
 import ml_collections
 
@@ -98,6 +99,12 @@ class ModelConfig:
   # times per microbatch, holding layers s, s + S, ... in units of n_layers / (S x repeats); 1 =
   # GPipe. More repeats shrink the bubble (S - 1) / (M x repeats + S - 1).
   pipeline_repeats: int = 1
+  # LoRA fine-tuning (jaxtrain/core/lora.py; Hu et al., 2021): adapters of this rank on the weights
+  # whose '/'-joined path lora_targets matches in full (a regex; kinds: model/lora.py WEIGHTS), the
+  # base frozen at checkpoint.init_from, scale lora_alpha / lora_rank; 0 = off (full fine-tuning)
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: str = r".*attn/(q|v)"
 
   @property
   def expert_d_ff(self) -> int:
@@ -139,6 +146,36 @@ def validate_model(cfg, shape) -> None:
     _validate_moe(m, shape, rules)
   validate_rope(m)
   check_floats("model", m, RANGES)
+  validate_lora(cfg)
+
+
+# tasks whose every trained param is a weight of the base (PPO's value head, a reward model's head
+# are trained from scratch: not yet with LoRA)
+LORA_TASKS = ("lm", "sft", "dpo", "grpo")
+
+
+def validate_lora(cfg) -> None:
+  """model.lora_*: a rank >= 0; with a rank, a base (checkpoint.init_from), a task of LORA_TASKS, a
+  positive alpha and a pattern that compiles (one matching no weight: at build, core/lora.py)."""
+  m = cfg.model
+  if m.lora_rank < 0:
+    raise ConfigError(f"model.lora_rank must be >= 0 (0 = off), got {m.lora_rank}")
+  if not m.lora_rank:
+    return
+  if not cfg.checkpoint.init_from:
+    raise ConfigError("model.lora_rank > 0 trains adapters of a base: set checkpoint.init_from")
+  if cfg.train.task not in LORA_TASKS:
+    raise ConfigError(f"model.lora_rank > 0 with train.task={cfg.train.task!r}: LoRA runs "
+                      f"{', '.join(LORA_TASKS)} for now")
+  if not m.lora_alpha > 0:
+    raise ConfigError(f"model.lora_alpha must be positive, got {m.lora_alpha}")
+  try:
+    re.compile(m.lora_targets)
+  except re.error as e:
+    raise ConfigError(f"model.lora_targets={m.lora_targets!r} is not a regex ({e})") from None
+  if cfg.eval.tasks:
+    raise ConfigError("model.lora_rank > 0: in-loop eval.tasks are not run on adapters yet; "
+                      "evaluate the run's workdir after (`python -m jaxtrain eval`)")
 
 
 def _validate_moe(m, shape, rules):

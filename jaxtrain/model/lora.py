@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 # a weight's kind (its last name) -> (input axes, output axes) after its batch axes
 WEIGHTS = {"q": (1, 2), "k": (1, 2), "v": (1, 2), "o": (2, 1), "gate": (1, 1), "up": (1, 1),
-           "down": (1, 1), "unembed": (1, 1)}
+           "down": (1, 1), "unembed": (1, 1), "embed": (1, 1)}
 
 
 def path_name(path) -> str:

@@ -1,0 +1,123 @@
+"""LoRA fine-tuning of any task (model.lora_rank > 0): the trained params are the adapters
+(model/lora.py), so the optimizer state is adapter-sized; the frozen base is in the task state, an
+argument of the step (sharded like the params, not a constant of the jitted program), as a `Frozen`
+node, which checkpoints leave out and every restore reads again from `checkpoint.init_from`.
+
+The loss merges base and adapters (W + alpha / r * A @ B) and calls the inner task's loss on the
+full weights. A task's frozen reference (task_state["reference"]: DPO, GRPO) is the base itself,
+with no second copy.
+"""
+
+import flax.serialization
+import jax
+
+from jaxtrain.config import ConfigError
+from jaxtrain.core.task import Task
+from jaxtrain.model import lora as lora_lib
+
+BASE = "lora_base"  # the task state's key of the frozen base
+
+
+@jax.tree_util.register_pytree_node_class
+class Frozen:
+  """A subtree of the train state that checkpoints leave out (its state dict is empty): restore
+  refills it from `source`, the run whose params it is (`refill`)."""
+
+  def __init__(self, tree, source: str):
+    self.tree, self.source = tree, source
+
+  def tree_flatten(self):
+    return (self.tree,), self.source
+
+  @classmethod
+  def tree_unflatten(cls, source, children):
+    return cls(children[0], source)
+
+
+# Saved as {}, restored as the target it is restored into (abstract until `refill`).
+flax.serialization.register_serialization_state(Frozen, lambda _: {}, lambda target, _: target)
+
+
+def refill(state, shardings, load):
+  """`state` with every Frozen subtree read from its source: `load(source, like)` (builder's
+  init_params) places the source's params like `like` (shapes, dtypes, shardings)."""
+  def fill(node, sharding):
+    if not isinstance(node, Frozen):
+      return node
+    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        node.tree, sharding.tree)
+    return Frozen(load(node.source, like), node.source)
+  frozen = lambda x: isinstance(x, Frozen)
+  if not any(frozen(x) for x in jax.tree.leaves(state, is_leaf=frozen)):
+    return state
+  return jax.tree.map(fill, state, shardings, is_leaf=frozen)
+
+
+class Lora(Task):
+  """`inner` trained through low-rank adapters of the weights that model.lora_targets names."""
+
+  def __init__(self, inner, cfg):
+    self.inner, m = inner, cfg.model
+    self.rank, self.alpha, self.source = m.lora_rank, m.lora_alpha, cfg.checkpoint.init_from
+    self.batch_size, self.tokens_per_batch = inner.batch_size, inner.tokens_per_batch
+    self.flops_per_token = inner.flops_per_token
+    params, _, task_state = jax.eval_shape(lambda: inner.init(jax.random.key(0)))
+    self.names = lora_lib.targets(params, m.lora_targets)
+    if not self.names:
+      raise ConfigError(f"model.lora_targets={m.lora_targets!r} matches no weight of the model "
+                        f"(of kinds {', '.join(lora_lib.WEIGHTS)}, e.g. 'layers/attn/q')")
+    # the inner task's frozen reference (DPO, GRPO): the base stands in for it
+    self.reference = "reference" in task_state
+
+  def init(self, rng):
+    params, extra, task_state = self.inner.init(rng)
+    adapters = lora_lib.init(jax.random.fold_in(rng, 1), params, self.names, self.rank)
+    rest = {k: v for k, v in task_state.items() if k != "reference"}
+    return adapters, extra, {**rest, BASE: Frozen(params, self.source)}
+
+  def init_from(self, params, task_state, load):
+    """The base from the checkpoint; the adapters keep their init (B = 0: the base's model)."""
+    return params, {**task_state, BASE: Frozen(load(task_state[BASE].tree), self.source)}
+
+  def merged(self, params, task_state):
+    """(full params, the inner task's state): base + adapters, the base as the reference."""
+    base = task_state[BASE].tree
+    inner = {k: v for k, v in task_state.items() if k != BASE}
+    if self.reference:
+      inner["reference"] = base
+    return lora_lib.merge(base, params, self.alpha, self.rank), inner
+
+  def loss(self, params, batch, extra, task_state):
+    full, inner = self.merged(params, task_state)
+    return self.inner.loss(full, batch, extra, inner)
+
+  def eval_sums(self, params, extra, task_state, batch):
+    full, inner = self.merged(params, task_state)
+    return self.inner.eval_sums(full, extra, inner, batch)
+
+  def make_batch(self, params, extra, task_state, batch, step):
+    if type(self.inner).make_batch is Task.make_batch:  # the fed batch: nothing to merge
+      return batch
+    full, inner = self.merged(params, task_state)
+    return self.inner.make_batch(full, extra, inner, batch, step)
+
+  def batches(self, split, lo, hi):
+    return self.inner.batches(split, lo, hi)
+
+  def prepare(self, progress):
+    self.inner.prepare(progress)
+
+  def metrics(self, sums, parts):
+    return self.inner.metrics(sums, parts)
+
+  def update_extra(self, extra, sums, parts):
+    return self.inner.update_extra(extra, sums, parts)
+
+  def eval_metrics(self, sums):
+    return self.inner.eval_metrics(sums)
+
+  def constants(self):
+    return self.inner.constants()
+
+  def sizes(self):
+    return self.inner.sizes()

@@ -1,0 +1,176 @@
+"""LoRA fine-tuning (core/lora.py): only adapters are trained, in the optimizer state and in
+checkpoints; the frozen base is an argument of the step, read again from checkpoint.init_from at
+every restore, and never changes; resume is bitwise; load_params gives the merged weights; DPO and
+GRPO run with the base as their reference; bad configs are one line."""
+
+import os
+import shutil
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import jaxtrain
+from jaxtrain import builder, checkpoint, metrics, parallel
+from jaxtrain.checkpoint import pretrained
+from jaxtrain.config import ConfigError, validate
+from jaxtrain.core import lora as lora_task, state as state_lib
+from jaxtrain.model import lora
+from jaxtrain.plan import compiled
+from jaxtrain.posttrain import Sft
+from tests.fixtures import tiny_config
+from tests.posttrain.test_dpo import dpo_config
+from tests.posttrain.test_grpo import rl_config
+from tests.posttrain.test_sft import sft_config
+
+TARGETS = ".*"  # every weight of a known kind: the embedding too (the tiny base barely knows it)
+
+
+def lora_config(cfg, base: str, rank: int = 4):
+  cfg.model.update(lora_rank=rank, lora_alpha=8.0, lora_targets=TARGETS)
+  cfg.checkpoint.init_from = base
+  return cfg
+
+
+def train(cfg, workdir):
+  jaxtrain.train(cfg, workdir, progress=False, sync_every_step=True)
+  return [r for r in metrics.read_metrics(workdir) if "loss" in r]
+
+
+def save_bytes(workdir) -> int:
+  return [r for r in metrics.read_metrics(workdir) if r.get("event") == "checkpoint_save"][-1][
+      "save_bytes"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  """A short full SFT run: the base of the LoRA runs (and what a full fine-tune checkpoints)."""
+  workdir = str(tmp_path_factory.mktemp("lora") / "base")
+  train(sft_config(steps=3), workdir)
+  return workdir
+
+
+def restored(cfg, workdir):
+  mesh, task, tx, _ = builder.build(cfg, workdir)
+  ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
+  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
+  ckpts.close()
+  return state
+
+
+def test_lora_rank_zero_is_the_task_and_bad_configs_are_one_line(tmp_path):
+  assert type(builder.make_task(sft_config(), str(tmp_path))) is Sft
+  cases = ((dict(lora_rank=-1), "", "model.lora_rank must be >= 0"),
+           (dict(lora_rank=4), "", "set checkpoint.init_from"),
+           (dict(lora_rank=4, lora_alpha=0.0), "runs/x", "model.lora_alpha must be positive"),
+           (dict(lora_rank=4, lora_targets="(q"), "runs/x", "is not a regex"))
+  for model, init_from, match in cases:
+    cfg = sft_config()
+    cfg.model.update(model)
+    cfg.checkpoint.init_from = init_from
+    with pytest.raises(ConfigError, match=match) as e:
+      validate(cfg, 8)
+    assert "\n" not in str(e.value)
+  with pytest.raises(ConfigError, match="LoRA runs lm, sft, dpo, grpo"):
+    validate(lora_config(tiny_config(train=dict(task="ppo")), "runs/x"), 8)
+  cfg = lora_config(sft_config(), "runs/x")
+  cfg.model.lora_targets = r".*attn/query"
+  with pytest.raises(ConfigError, match="matches no weight of the model"):
+    builder.make_task(cfg, str(tmp_path))
+
+
+@pytest.mark.slow  # three short runs
+def test_lora_sft_trains_adapters_only_and_resumes_bitwise(base, tmp_path):
+  cfg = lora_config(sft_config(steps=10), base)
+  cfg.checkpoint.every_steps = 5
+  cfg.optim.lr = 3e-2
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  rows = train(cfg, straight)
+  assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]
+  # the trained params and the optimizer's moments are the adapters: no leaf of the model's shape
+  state = restored(cfg, straight)
+  paths = {lora.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+  assert paths and all(p.endswith(("/a", "/b")) for p in paths)
+  adapter_shapes = {x.shape for x in jax.tree.leaves(state.params)}
+  assert {x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim} <= adapter_shapes
+  # the base (refilled from init_from at restore) is the base run's params, bitwise
+  _, base_params = pretrained.load_params(base)
+  frozen = state.task_state[lora_task.BASE].tree
+  assert all(np.array_equal(x, y)
+             for x, y in zip(jax.tree.leaves(base_params), jax.tree.leaves(frozen)))
+  # checkpoints hold the adapters only (their moments too): under a quarter of the full fine-tune's
+  # bytes at rank 4 on this 32-wide model
+  tree = pretrained.state_metadata(*pretrained.find_step(straight))
+  assert not jax.tree.leaves(tree["task_state"])
+  assert save_bytes(straight) < save_bytes(base) / 4, (save_bytes(straight), save_bytes(base))
+  # load_params (sample, eval, export, a later init_from): base + alpha / r * A @ B
+  model_cfg, merged = pretrained.load_params(straight)
+  assert model_cfg.lora_rank == 0
+  ad = jax.tree.map(np.asarray, state.params)["layers"]["attn"]["q"]
+  want = base_params["layers"]["attn"]["q"] + 2.0 * np.einsum("zdr,zrhk->zdhk", ad["a"], ad["b"])
+  np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
+  assert not np.array_equal(merged["layers"]["attn"]["q"], base_params["layers"]["attn"]["q"])
+  assert np.array_equal(merged["final_norm"]["scale"], base_params["final_norm"]["scale"])
+  # a run stopped after step 5, rerun: the same losses and adapters, bitwise
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "10"))
+  os.remove(os.path.join(resumed, "metrics.jsonl"))
+  again = train(cfg, resumed)
+  assert [r["loss"] for r in again] == [r["loss"] for r in rows[5:]]
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(state.params),
+                                                  jax.tree.leaves(restored(cfg, resumed).params)))
+
+
+@pytest.mark.slow  # compiles a step
+def test_the_step_changes_the_adapters_and_never_the_base(base, tmp_path):
+  cfg = lora_config(sft_config(), base)
+  run = builder.build(cfg, str(tmp_path))
+  state, shardings = state_lib.create_state(run.task, run.tx, 0, run.mesh, cfg.mesh.rules)
+  load = lambda like: builder.init_params(base, like)
+  params, task_state = run.task.init_from(state.params, state.task_state, load)
+  state = state.replace(params=params, task_state=task_state)
+  before = jax.tree.map(np.asarray, (state.params, state.task_state))
+  feed = parallel.Feed(run.task.batch_size, parallel.batch_sharding(run.mesh))
+  batches = run.task.batches("train", feed.lo, feed.hi)
+  with parallel.activate(run.mesh, cfg.mesh.rules):
+    train_fn, _ = builder.compile_steps(cfg, *run, shardings)
+    for _ in range(2):
+      state, _ = train_fn(state, feed.put(next(batches)))
+  after = jax.tree.map(np.asarray, (state.params, state.task_state))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before[1]),
+                                                  jax.tree.leaves(after[1])))
+  assert not any(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before[0]),
+                                                      jax.tree.leaves(after[0])))
+
+
+@pytest.mark.slow  # two short runs
+def test_lora_dpo_starts_at_the_reference(base, tmp_path):
+  """The base is DPO's reference and B = 0: the first step's policy is the reference (loss log 2,
+  KL 0); then the adapters move."""
+  rows = train(lora_config(dpo_config(), base), str(tmp_path / "dpo"))
+  assert abs(rows[0]["loss"] - np.log(2)) < 1e-6 and abs(rows[0]["kl"]) < 1e-6
+  assert len(rows) == 4 and rows[-1]["kl"] > 0
+
+
+@pytest.mark.slow  # two short runs with rollouts
+def test_lora_grpo_runs_with_the_base_as_reference(tmp_path):
+  base_dir, run_dir = str(tmp_path / "base"), str(tmp_path / "grpo")
+  train(rl_config(steps=1), base_dir)
+  cfg = lora_config(rl_config(), base_dir)
+  cfg.model.lora_targets = r".*attn/(q|v)"
+  rows = train(cfg, run_dir)
+  assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+  assert abs(rows[0]["kl"]) < 1e-6  # the policy starts as its reference, the base
+  assert "reference" not in restored(cfg, run_dir).task_state  # no second copy of the base
+  assert save_bytes(run_dir) < save_bytes(base_dir) / 10
+
+
+@pytest.mark.slow  # compiles two steps
+def test_compiled_step_memory_with_lora_is_below_full_fine_tuning():
+  """The optimizer's moments and the gradient are adapter-sized: the step's argument bytes are the
+  base once plus small change, against params and two moments of full fine-tuning."""
+  full = compiled.compiled_memory(sft_config(), quick=True)
+  small = compiled.compiled_memory(lora_config(sft_config(), "runs/base"), quick=True)
+  assert small["argument"] < 0.6 * full["argument"], (small, full)
+  assert small["total"] < full["total"], (small, full)
