@@ -220,16 +220,11 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
     hf.config_to_hf(model, dtype)
   except ValueError as e:
     raise config_lib.ConfigError(f"--to_hf: {mngr.directory}/{step}: {e}") from None
-  meta = params_metadata(mngr, step)
-  for path, shape, _ in hf.leaf_plan(model):
-    saved = hf.get_at(meta, path)
-    if saved is None or tuple(saved.shape) != tuple(shape):
-      raise config_lib.ConfigError(
-          f"{mngr.directory}/{step}: params/{'/'.join(path)} is "
-          f"{None if saved is None else saved.shape}, the config says {shape}")
-
-  def leaf_fn(path):
-    return hf.get_at(restore_params(mngr, step, _nest(path, hf.get_at(meta, path))), path)
+  if cfg.model.get("lora_rank"):  # a LoRA run's params are adapters: its merged weights, whole
+    merged = load_params(src, step)[1]
+    leaf_fn = lambda path: hf.get_at(merged, path)  # noqa: E731
+  else:
+    leaf_fn = _leaf_reader(mngr, step, model)
 
   hf.write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
   tokenizer = cfg.data.tokenizer
@@ -238,6 +233,20 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
   if name and os.path.isfile(tokenizer):
     shutil.copyfile(tokenizer, os.path.join(out_dir, name))
   return out_dir
+
+
+def _leaf_reader(mngr, step: int, model):
+  """path -> that leaf of the step's params, read alone; the shapes checked against `model`
+  first."""
+  meta = params_metadata(mngr, step)
+  for path, shape, _ in hf.leaf_plan(model):
+    saved = hf.get_at(meta, path)
+    if saved is None or tuple(saved.shape) != tuple(shape):
+      raise config_lib.ConfigError(
+          f"{mngr.directory}/{step}: params/{'/'.join(path)} is "
+          f"{None if saved is None else saved.shape}, the config says {shape}")
+  return lambda path: hf.get_at(restore_params(mngr, step, _nest(path, hf.get_at(meta, path))),
+                                path)
 
 
 # ---- inspection ----

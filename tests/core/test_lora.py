@@ -13,7 +13,7 @@ import pytest
 
 import jaxtrain
 from jaxtrain import builder, checkpoint, metrics, parallel
-from jaxtrain.checkpoint import pretrained
+from jaxtrain.checkpoint import convert, hf, pretrained
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.core import lora as lora_task, state as state_lib
 from jaxtrain.model import lora
@@ -112,6 +112,10 @@ def test_lora_sft_trains_adapters_only_and_resumes_bitwise(base, tmp_path):
   np.testing.assert_allclose(merged["layers"]["attn"]["q"], want, rtol=1e-5, atol=1e-6)
   assert not np.array_equal(merged["layers"]["attn"]["q"], base_params["layers"]["attn"]["q"])
   assert np.array_equal(merged["final_norm"]["scale"], base_params["final_norm"]["scale"])
+  # HF export writes the merged model
+  _, exported = hf.import_hf(convert.to_hf(straight, str(tmp_path / "hf")))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(merged),
+                                                  jax.tree.leaves(exported)))
   # a run stopped after step 5, rerun: the same losses and adapters, bitwise
   shutil.copytree(straight, resumed)
   shutil.rmtree(os.path.join(resumed, "checkpoints", "10"))
