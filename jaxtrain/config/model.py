@@ -149,9 +149,8 @@ def validate_model(cfg, shape) -> None:
   validate_lora(cfg)
 
 
-# tasks whose every trained param is a weight of the base (PPO's value head, a reward model's head
-# are trained from scratch: not yet with LoRA)
-LORA_TASKS = ("lm", "sft", "dpo", "grpo")
+# tasks run with LoRA (the reward model's loss on a fresh head is not tested with it yet)
+LORA_TASKS = ("lm", "sft", "dpo", "grpo", "ppo")
 
 
 def validate_lora(cfg) -> None:

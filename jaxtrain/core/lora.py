@@ -4,8 +4,9 @@ argument of the step (sharded like the params, not a constant of the jitted prog
 node, which checkpoints leave out and every restore reads again from `checkpoint.init_from`.
 
 The loss merges base and adapters (W + alpha / r * A @ B) and calls the inner task's loss on the
-full weights. A task's frozen reference (task_state["reference"]: DPO, GRPO) is the base itself,
-with no second copy.
+full weights. Params that the inner task does not load from checkpoint.init_from (PPO's value head)
+are trained in full beside the adapters. A task's frozen reference (task_state["reference"]: DPO,
+GRPO, PPO) is the base itself, with no second copy.
 """
 
 import flax.serialization
@@ -53,8 +54,16 @@ def refill(state, shardings, load):
   return jax.tree.map(fill, state, shardings, is_leaf=frozen)
 
 
+def fresh(inner, params, task_state) -> tuple[str, ...]:
+  """The top-level keys of the params that `inner.init_from` keeps fresh (PPO's value head), found
+  by calling it on the params' shapes with a `load` that leaves nothing."""
+  loaded, _ = inner.init_from(params, task_state, lambda tree: jax.tree.map(lambda _: None, tree))
+  return tuple(k for k in params if jax.tree.leaves(loaded[k]))
+
+
 class Lora(Task):
-  """`inner` trained through low-rank adapters of the weights that model.lora_targets names."""
+  """`inner` trained through low-rank adapters of the weights that model.lora_targets names, and
+  in full where its init_from keeps the params fresh (a value head)."""
 
   def __init__(self, inner, cfg):
     self.inner, m = inner, cfg.model
@@ -62,18 +71,25 @@ class Lora(Task):
     self.batch_size, self.tokens_per_batch = inner.batch_size, inner.tokens_per_batch
     self.flops_per_token = inner.flops_per_token
     params, _, task_state = jax.eval_shape(lambda: inner.init(jax.random.key(0)))
-    self.names = lora_lib.targets(params, m.lora_targets)
+    self.fresh = fresh(inner, params, task_state)
+    self.names = lora_lib.targets(self.split(params)[0], m.lora_targets)
     if not self.names:
       raise ConfigError(f"model.lora_targets={m.lora_targets!r} matches no weight of the model "
                         f"(of kinds {', '.join(lora_lib.WEIGHTS)}, e.g. 'layers/attn/q')")
-    # the inner task's frozen reference (DPO, GRPO): the base stands in for it
+    # the inner task's frozen reference (DPO, GRPO, PPO): the base stands in for it
     self.reference = "reference" in task_state
+
+  def split(self, params) -> tuple[dict, dict]:
+    """(the base's params, the fresh ones) of the inner task's params."""
+    return ({k: v for k, v in params.items() if k not in self.fresh},
+            {k: v for k, v in params.items() if k in self.fresh})
 
   def init(self, rng):
     params, extra, task_state = self.inner.init(rng)
-    adapters = lora_lib.init(jax.random.fold_in(rng, 1), params, self.names, self.rank)
+    base, new = self.split(params)
+    adapters = lora_lib.init(jax.random.fold_in(rng, 1), base, self.names, self.rank)
     rest = {k: v for k, v in task_state.items() if k != "reference"}
-    return adapters, extra, {**rest, BASE: Frozen(params, self.source)}
+    return {**adapters, **new}, extra, {**rest, BASE: Frozen(base, self.source)}
 
   def init_from(self, params, task_state, load):
     """The base from the checkpoint; the adapters keep their init (B = 0: the base's model)."""
@@ -85,7 +101,8 @@ class Lora(Task):
     inner = {k: v for k, v in task_state.items() if k != BASE}
     if self.reference:
       inner["reference"] = base
-    return lora_lib.merge(base, params, self.alpha, self.rank), inner
+    full = lora_lib.merge(base, params, self.alpha, self.rank)
+    return {**full, **{k: params[k] for k in self.fresh}}, inner
 
   def loss(self, params, batch, extra, task_state):
     full, inner = self.merged(params, task_state)

@@ -72,8 +72,8 @@ def test_lora_rank_zero_is_the_task_and_bad_configs_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=match) as e:
       validate(cfg, 8)
     assert "\n" not in str(e.value)
-  with pytest.raises(ConfigError, match="LoRA runs lm, sft, dpo, grpo"):
-    validate(lora_config(tiny_config(train=dict(task="ppo")), "runs/x"), 8)
+  with pytest.raises(ConfigError, match="LoRA runs lm, sft, dpo, grpo, ppo"):
+    validate(lora_config(tiny_config(train=dict(task="rm")), "runs/x"), 8)
   cfg = lora_config(sft_config(), "runs/x")
   cfg.model.lora_targets = r".*attn/query"
   with pytest.raises(ConfigError, match="matches no weight of the model"):
@@ -171,10 +171,28 @@ def test_lora_grpo_runs_with_the_base_as_reference(tmp_path):
 
 
 @pytest.mark.slow  # compiles two steps
-def test_compiled_step_memory_with_lora_is_below_full_fine_tuning():
+def test_compiled_step_memory_with_lora_is_below_full_fine_tuning(tmp_path, monkeypatch):
   """The optimizer's moments and the gradient are adapter-sized: the step's argument bytes are the
   base once plus small change, against params and two moments of full fine-tuning."""
+  monkeypatch.chdir(tmp_path)  # the abstract step's task writes its synthetic data into "."
   full = compiled.compiled_memory(sft_config(), quick=True)
   small = compiled.compiled_memory(lora_config(sft_config(), "runs/base"), quick=True)
   assert small["argument"] < 0.6 * full["argument"], (small, full)
   assert small["total"] < full["total"], (small, full)
+
+
+@pytest.mark.slow  # two short runs with rollouts
+def test_lora_ppo_trains_adapters_and_its_fresh_value_head(tmp_path):
+  """The value head is not in the base (init_from keeps it fresh): it is trained in full beside
+  the adapters, and checkpointed with them."""
+  base_dir, run_dir = str(tmp_path / "base"), str(tmp_path / "ppo")
+  train(rl_config("ppo", steps=1), base_dir)
+  cfg = lora_config(rl_config("ppo"), base_dir)
+  rows = train(cfg, run_dir)
+  assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
+  state = restored(cfg, run_dir)
+  paths = [lora.path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+  adapters = [p for p in paths if not p.startswith("value_head/")]
+  assert len(paths) - len(adapters) == 2 and all(p.endswith(("/a", "/b")) for p in adapters)
+  assert np.asarray(state.params["value_head"]["w"]).any()  # trained from its zero init
+  assert "value_head" not in state.task_state[lora_task.BASE].tree

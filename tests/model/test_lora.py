@@ -10,9 +10,10 @@ from jaxtrain.model import ModelConfig, Transformer, lora
 
 
 def boxed_params(**model):
+  """The tiny model's params' shapes, boxed with their logical names."""
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=64, max_seq_len=32, **model)
-  return Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  return jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
 def at(tree, name: str):
@@ -26,8 +27,9 @@ def test_targets_by_full_match_of_known_kinds():
   assert lora.targets(params, r".*attn/(q|v)") == ["layers/attn/q", "layers/attn/v"]
   assert lora.targets(params, r"layers/mlp/.*") == ["layers/mlp/down", "layers/mlp/gate",
                                                      "layers/mlp/up"]
-  # a full match: "q" alone names nothing; norms and the embedding are no known kind
-  assert lora.targets(params, "q") == [] and lora.targets(params, ".*(norm|embed).*") == []
+  # a full match: "q" alone names nothing; norm scales are no known kind
+  assert lora.targets(params, "q") == [] and lora.targets(params, ".*norm.*") == []
+  assert lora.targets(params, "embed|layers/attn/o") == ["embed", "layers/attn/o"]
 
 
 def test_adapters_take_the_weights_logical_names_and_batch_axes():
@@ -49,7 +51,9 @@ def test_adapters_take_the_weights_logical_names_and_batch_axes():
 
 
 def test_merge_with_zero_b_is_the_base_bitwise_and_otherwise_w_plus_scaled_ab():
-  base = nn.unbox(boxed_params())
+  rng = np.random.default_rng(0)
+  base = jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(np.float32),
+                      nn.unbox(boxed_params()))
   names = lora.targets(base, r".*attn/(q|o)|.*mlp/up")
   adapters = nn.unbox(lora.init(jax.random.key(1), base, names, rank=4))
   merged = lora.merge(base, adapters, alpha=8.0, rank=4)
