@@ -13,7 +13,8 @@ def boxed_params(**model):
   """The tiny model's params' shapes, boxed with their logical names."""
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=64, max_seq_len=32, **model)
-  return jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  return jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)["params"]
 
 
 def at(tree, name: str):
