@@ -63,7 +63,13 @@ def make_task(cfg, workdir: str):
     raise config_lib.ConfigError(
         f"train.task={name!r}: choose one of {', '.join(TASKS)} (or pass task=)")
   task = TASKS[name](cfg, workdir)
-  return lora.Lora(task, cfg) if cfg.model.lora_rank else task
+  return lora.Lora(task, cfg, newest_step) if cfg.model.lora_rank else task
+
+
+def newest_step(path: str) -> int:
+  """The newest complete step of a run or converted model (one ConfigError line when none)."""
+  from jaxtrain.checkpoint import pretrained
+  return pretrained.find_step(path)[1]
 
 
 def compile_steps(cfg, mesh, task, tx, schedule, shardings):
@@ -108,12 +114,12 @@ def restore_state(ckpts: checkpoint.Checkpoints, task, tx, mesh, rules_name, ste
   return lora.refill(state, shardings, init_params), shardings, data_state, row
 
 
-def init_params(path: str, like):
-  """The params of another run or a converted model (newest step), placed like `like` (the fresh
-  params: same tree, shapes and shardings); a mismatch is one ConfigError line."""
+def init_params(path: str, like, step: int | None = None):
+  """The params of another run or a converted model (newest step, or `step`), placed like `like`
+  (the fresh params: same tree, shapes and shardings); a mismatch is one ConfigError line."""
   from jaxtrain.checkpoint import pretrained
   try:
-    _, loaded = pretrained.load_params(path)
+    _, loaded = pretrained.load_params(path, step)
   except (FileNotFoundError, ValueError) as e:
     raise config_lib.ConfigError(f"checkpoint.init_from={path}: {e}") from e
   want = jax.tree_util.tree_flatten_with_path(like)[0]

@@ -148,7 +148,7 @@ def read_step(src: str, step: int | None = None):
   {} for a converted model) as numpy. Partial restore: no optimizer state or data item is read."""
   mngr, step = find_step(src, step)
   cfg = read_config(src, mngr, step)
-  params = _merged(cfg, restore_params(mngr, step, params_metadata(mngr, step)))
+  params = _merged(cfg, restore_params(mngr, step, params_metadata(mngr, step)), mngr, step)
   return cfg, params, _extra(mngr, step)
 
 
@@ -170,19 +170,23 @@ def load_params(src: str, step: int | None = None):
   mngr, step = find_step(src, step)
   saved = read_config(src, mngr, step)
   cfg = model_config(saved, mngr, step)
-  params = _merged(saved, restore_params(mngr, step, params_metadata(mngr, step)))
+  params = _merged(saved, restore_params(mngr, step, params_metadata(mngr, step)), mngr, step)
   return dataclasses.replace(cfg, lora_rank=0), params
 
 
-def _merged(saved, params: dict) -> dict:
-  """The full weights of a step whose saved config is `saved`: its params, or for a LoRA run
-  (model.lora_rank > 0: its params are adapters) its base (checkpoint.init_from, read by
-  load_params) with the adapters merged in."""
+def _merged(saved, params: dict, mngr, step: int) -> dict:
+  """The full weights of `step`, whose saved config is `saved`: its params, or for a LoRA run
+  (model.lora_rank > 0: its params are adapters) its base (checkpoint.init_from at the step the
+  run started from, its task state's lora_base_step) with the adapters merged in."""
   m = saved.get("model", {})
   if not m.get("lora_rank"):
     return params
   from jaxtrain.model import lora
-  _, base = load_params(saved["checkpoint"]["init_from"])
+  task_state = state_metadata(mngr, step).get("task_state", {})
+  base_step = (int(restore_params(mngr, step, {"lora_base_step": task_state["lora_base_step"]},
+                                  "task_state")["lora_base_step"])
+               if "lora_base_step" in task_state else None)
+  _, base = load_params(saved["checkpoint"]["init_from"], base_step)
   merged = lora.merge(base, params, m["lora_alpha"], m["lora_rank"])
   return _numpy(merged)
 

@@ -1,7 +1,9 @@
 """LoRA fine-tuning of any task (model.lora_rank > 0): the trained params are the adapters
 (model/lora.py), so the optimizer state is adapter-sized; the frozen base is in the task state, an
 argument of the step (sharded like the params, not a constant of the jitted program), as a `Frozen`
-node, which checkpoints leave out and every restore reads again from `checkpoint.init_from`.
+node, which checkpoints leave out and every restore reads again from `checkpoint.init_from`, at the
+step the run started from (task_state[BASE_STEP], checkpointed: a base run that trains on, or a
+newer step, changes nothing for a resumed LoRA run).
 
 The loss merges base and adapters (W + alpha / r * A @ B) and calls the inner task's loss on the
 full weights. Params that the inner task does not load from checkpoint.init_from (PPO's value head)
@@ -11,12 +13,14 @@ GRPO, PPO) is the base itself, with no second copy.
 
 import flax.serialization
 import jax
+import jax.numpy as jnp
 
 from jaxtrain.config import ConfigError
 from jaxtrain.core.task import Task
 from jaxtrain.model import lora as lora_lib
 
 BASE = "lora_base"  # the task state's key of the frozen base
+BASE_STEP = "lora_base_step"  # the task state's key of the base's step (checkpointed)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -40,17 +44,20 @@ flax.serialization.register_serialization_state(Frozen, lambda _: {}, lambda tar
 
 
 def refill(state, shardings, load):
-  """`state` with every Frozen subtree read from its source: `load(source, like)` (builder's
-  init_params) places the source's params like `like` (shapes, dtypes, shardings)."""
+  """`state` with every Frozen subtree read from its source: `load(source, like, step)` (builder's
+  init_params) places the source's params at `step` (the checkpointed BASE_STEP) like `like`
+  (shapes, dtypes, shardings)."""
+  frozen = lambda x: isinstance(x, Frozen)
+  if not any(frozen(x) for x in jax.tree.leaves(state, is_leaf=frozen)):
+    return state
+  step = int(jax.device_get(state.task_state[BASE_STEP]))
+
   def fill(node, sharding):
     if not isinstance(node, Frozen):
       return node
     like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         node.tree, sharding.tree)
-    return Frozen(load(node.source, like), node.source)
-  frozen = lambda x: isinstance(x, Frozen)
-  if not any(frozen(x) for x in jax.tree.leaves(state, is_leaf=frozen)):
-    return state
+    return Frozen(load(node.source, like, step), node.source)
   return jax.tree.map(fill, state, shardings, is_leaf=frozen)
 
 
@@ -65,8 +72,9 @@ class Lora(Task):
   """`inner` trained through low-rank adapters of the weights that model.lora_targets names, and
   in full where its init_from keeps the params fresh (a value head)."""
 
-  def __init__(self, inner, cfg):
-    self.inner, m = inner, cfg.model
+  def __init__(self, inner, cfg, newest=None):
+    """`newest(path) -> int`: the newest step of a run (builder's; read when the base is loaded)."""
+    self.inner, m, self.newest = inner, cfg.model, newest
     self.rank, self.alpha, self.source = m.lora_rank, m.lora_alpha, cfg.checkpoint.init_from
     self.batch_size, self.tokens_per_batch = inner.batch_size, inner.tokens_per_batch
     self.flops_per_token = inner.flops_per_token
@@ -89,16 +97,21 @@ class Lora(Task):
     base, new = self.split(params)
     adapters = lora_lib.init(jax.random.fold_in(rng, 1), base, self.names, self.rank)
     rest = {k: v for k, v in task_state.items() if k != "reference"}
-    return {**adapters, **new}, extra, {**rest, BASE: Frozen(base, self.source)}
+    return {**adapters, **new}, extra, {**rest, BASE: Frozen(base, self.source),
+                                        BASE_STEP: jnp.zeros((), jnp.int32)}
 
   def init_from(self, params, task_state, load):
-    """The base from the checkpoint; the adapters keep their init (B = 0: the base's model)."""
-    return params, {**task_state, BASE: Frozen(load(task_state[BASE].tree), self.source)}
+    """The base from the checkpoint (its newest step, then kept in BASE_STEP); the adapters keep
+    their init (B = 0: the base's model)."""
+    step = self.newest(self.source)
+    base = load(task_state[BASE].tree, step)
+    return params, {**task_state, BASE: Frozen(base, self.source),
+                    BASE_STEP: jnp.full((), step, jnp.int32)}
 
   def merged(self, params, task_state):
     """(full params, the inner task's state): base + adapters, the base as the reference."""
     base = task_state[BASE].tree
-    inner = {k: v for k, v in task_state.items() if k != BASE}
+    inner = {k: v for k, v in task_state.items() if k not in (BASE, BASE_STEP)}
     if self.reference:
       inner["reference"] = base
     full = lora_lib.merge(base, params, self.alpha, self.rank)

@@ -36,7 +36,8 @@ class Task:
 
   def init_from(self, params: dict, task_state: dict, load) -> tuple[dict, dict]:
     """(params, task_state) of a run started from `checkpoint.init_from`; `load(tree)` reads the
-    checkpoint's leaves of `tree` (fresh unboxed arrays, the same paths, shapes and shardings).
+    checkpoint's leaves of `tree` (fresh unboxed arrays, the same paths, shapes and shardings;
+    `load(tree, step)`: that step's, not the newest).
     Default: the params are loaded, the task state kept. A frozen reference loads a second copy; a
     new head keeps its fresh init."""
     return load(params), task_state

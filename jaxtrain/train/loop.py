@@ -149,7 +149,7 @@ def start_state(cfg, workdir: str, run: Run, ckpts, goodput, writer, train_iter)
   state, shardings = state_lib.create_state(run.task, run.tx, cfg.train.seed, run.mesh,
                                             cfg.mesh.rules, cfg.train.offload)
   if cfg.checkpoint.init_from:
-    load = lambda like: init_params(cfg.checkpoint.init_from, like)
+    load = lambda like, step=None: init_params(cfg.checkpoint.init_from, like, step)
     params, task_state = run.task.init_from(state.params, state.task_state, load)
     state = state.replace(params=params, task_state=task_state)
   return state, shardings

@@ -102,7 +102,8 @@ def test_lora_sft_trains_adapters_only_and_resumes_bitwise(base, tmp_path):
   # checkpoints hold the adapters only (their moments too): under a quarter of the full fine-tune's
   # bytes at rank 4 on this 32-wide model
   tree = pretrained.state_metadata(*pretrained.find_step(straight))
-  assert not jax.tree.leaves(tree["task_state"])
+  assert [tuple(x.shape) for x in jax.tree.leaves(tree["task_state"])] == [()]  # the base's step alone
+  assert int(state.task_state[lora_task.BASE_STEP]) == pretrained.find_step(base)[1]
   assert save_bytes(straight) < save_bytes(base) / 4, (save_bytes(straight), save_bytes(base))
   # load_params (sample, eval, export, a later init_from): base + alpha / r * A @ B
   model_cfg, merged = pretrained.load_params(straight)
@@ -126,12 +127,40 @@ def test_lora_sft_trains_adapters_only_and_resumes_bitwise(base, tmp_path):
                                                   jax.tree.leaves(restored(cfg, resumed).params)))
 
 
+@pytest.mark.slow  # a LoRA run, its base trained on, the LoRA run resumed
+def test_a_resumed_lora_run_keeps_the_base_step_it_started_from(base, tmp_path):
+  """The base run trains on after the LoRA run started: the resumed LoRA run, and load_params of
+  it, still read the base at the step the run started from."""
+  moving = str(tmp_path / "base")
+  shutil.copytree(base, moving)
+  started = pretrained.find_step(moving)[1]
+  cfg = lora_config(sft_config(steps=4), moving)
+  cfg.checkpoint.every_steps = 2
+  cfg.optim.lr = 3e-2
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  rows = train(cfg, straight)
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "4"))
+  os.remove(os.path.join(resumed, "metrics.jsonl"))
+  train(sft_config(steps=started + 2), moving)  # the base trains on: a newer step
+  assert pretrained.find_step(moving)[1] == started + 2
+  again = train(cfg, resumed)
+  assert [r["loss"] for r in again] == [r["loss"] for r in rows[2:]]
+  state = restored(cfg, resumed)
+  _, at_start = pretrained.load_params(moving, started)
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(at_start),
+                                                  jax.tree.leaves(state.task_state[lora_task.BASE].tree)))
+  _, merged = pretrained.load_params(resumed)
+  want = lora.merge(at_start, jax.tree.map(np.asarray, state.params), 8.0, 4)
+  assert all(np.array_equal(np.asarray(x), y) for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(merged)))
+
+
 @pytest.mark.slow  # compiles a step
 def test_the_step_changes_the_adapters_and_never_the_base(base, tmp_path):
   cfg = lora_config(sft_config(), base)
   run = builder.build(cfg, str(tmp_path))
   state, shardings = state_lib.create_state(run.task, run.tx, 0, run.mesh, cfg.mesh.rules)
-  load = lambda like: builder.init_params(base, like)
+  load = lambda like, step=None: builder.init_params(base, like, step)
   params, task_state = run.task.init_from(state.params, state.task_state, load)
   state = state.replace(params=params, task_state=task_state)
   before = jax.tree.map(np.asarray, (state.params, state.task_state))
