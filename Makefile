@@ -26,7 +26,7 @@ $(TARGETS_VENV)/.installed: pyproject.toml constraints.txt
 	$(TARGETS_VENV)/bin/python -m pip install --quiet -c constraints.txt -e ".[tpu,cuda]" pytest pytest-xdist
 	touch $@
 
-.PHONY: setup train test test-all test-long test-targets bench
+.PHONY: setup train test test-all test-long test-targets test-eval bench
 setup: $(VENV)/.installed
 
 train: setup
@@ -45,6 +45,19 @@ test-long: setup
 
 test-targets: $(TARGETS_VENV)/.installed
 	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q -n 2 --dist load tests/targets -m "" $(PYTEST_TARGETS)
+
+# lm-evaluation-harness beside jaxtrain (tests/eval/test_adapter.py: the adapter and jaxtrain's scoring against
+# lm-eval's Hugging Face backend), in its own environment, so that lm-eval's many dependencies (unpinned beyond
+# constraints.txt) stay out of the one `make test` uses.
+EVAL_VENV := .venv-eval
+$(EVAL_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(EVAL_VENV)/bin/python -m pip install --quiet -c constraints.txt -e ".[test,eval]"
+	touch $@
+
+test-eval: $(EVAL_VENV)/.installed
+	$(EVAL_VENV)/bin/python -m pytest -q tests/eval/test_adapter.py -m "" $(PYTEST_EVAL)
 
 bench: setup
 	$(PY) benchmarks/train_step.py

@@ -6,9 +6,9 @@ padded batches), the same requests on the same random Llama, on this host's CPU 
 
 A random LlamaForCausalLM (no download) and a byte-level BPE tokenizer are saved to a temporary
 directory with a tokenizer_config.json; `docs` generated multiple-choice docs (2-4 choices each, a
-one-shot context) give the (context, continuation) requests. Each backend first scores a few
-requests (jaxtrain compiles there, torch warms up), then all of them once, timed; the log-
-likelihoods are checked to agree. Prints both rates and their ratio. Needs the eval extra (lm-eval,
+one-shot context) give the (context, continuation) requests. Each backend first scores the 16
+longest requests (jaxtrain compiles there, torch warms up), then all of them `repeats` times,
+alternating, timed (medians); the log-likelihoods are checked to agree. Prints both rates and their ratio. Needs the eval extra (lm-eval,
 accelerate) and torch.
 """
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -48,8 +49,14 @@ def requests(n_docs: int):
           for i, (ctx, doc) in enumerate(zip(contexts, docs)) for c in doc["choices"]]
 
 
+def warm_up(lm, reqs):
+  """Compile / warm up on the 16 longest requests: jaxtrain's row length follows a call's longest
+  request, so the timed calls then compile nothing."""
+  longest = sorted(reqs, key=lambda r: -len(r.args[0] + r.args[1]))[:16]
+  lm.loglikelihood(longest, disable_tqdm=True)
+
+
 def timed(lm, reqs):
-  lm.loglikelihood(reqs[:16], disable_tqdm=True)  # compile / warm up
   start = time.perf_counter()
   out = lm.loglikelihood(reqs, disable_tqdm=True)
   return out, time.perf_counter() - start
@@ -61,11 +68,23 @@ def main() -> None:
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--batch", type=int, default=8, help="HF batch size and jaxtrain rows")
+  p.add_argument("--repeats", type=int, default=3, help="timed calls of each, alternating; medians")
+  p.add_argument("--threads", type=int, default=0,
+                 help="1: both backends on one thread (torch.set_num_threads(1), XLA:CPU without "
+                      "its Eigen thread pool), a ratio that a loaded host does not skew; 0: "
+                      "each library's default")
   args = p.parse_args()
+  if args.threads not in (0, 1):
+    raise SystemExit("--threads must be 0 or 1")
+  if args.threads == 1:  # before jax starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
   for name in ("lm_eval", "lm-eval", "transformers"):
     logging.getLogger(name).setLevel(logging.ERROR)
   import torch
   from lm_eval.models.huggingface import HFLM
+  if args.threads == 1:
+    torch.set_num_threads(1)
 
   from jaxtrain.eval.adapter import JaxtrainLM
   with tempfile.TemporaryDirectory() as path:
@@ -75,15 +94,24 @@ def main() -> None:
               batch_size=args.batch)
     jt = JaxtrainLM(path, rows=args.batch)
     with torch.no_grad():
-      want, hf_s = timed(hf, reqs)
-    got, jt_s = timed(jt, reqs)
+      warm_up(hf, reqs)
+    warm_up(jt, reqs)
+    hf_times, jt_times = [], []
+    for _ in range(args.repeats):
+      with torch.no_grad():
+        want, seconds = timed(hf, reqs)
+      hf_times.append(seconds)
+      got, seconds = timed(jt, reqs)
+      jt_times.append(seconds)
+  hf_s, jt_s = statistics.median(hf_times), statistics.median(jt_times)
   diff = max(abs(a[0] - b[0]) for a, b in zip(got, want))
   print(f"{len(reqs)} requests ({args.docs} docs, one-shot), Llama hidden={args.hidden} "
         f"layers={args.layers}, batch {args.batch}, torch threads {torch.get_num_threads()}; "
         f"max |loglikelihood difference| {diff:.2e}")
   print(f"lm-eval hf backend: {len(reqs) / hf_s:8.1f} requests/s ({hf_s:.2f} s)")
   print(f"jaxtrain adapter:   {len(reqs) / jt_s:8.1f} requests/s ({jt_s:.2f} s)")
-  print(f"ratio jaxtrain / hf: {hf_s / jt_s:.2f}x")
+  print(f"ratio jaxtrain / hf: {hf_s / jt_s:.2f}x (medians of {args.repeats}; each run's ratio "
+        f"{', '.join(f'{h / j:.2f}' for h, j in zip(hf_times, jt_times))})")
   if not diff < 1e-3:
     raise SystemExit("the backends disagree")
 

@@ -20,7 +20,10 @@ from jaxtrain.plan import compiled  # noqa: E402
 
 VARIANTS = (("full fine-tuning", {}),
             ("LoRA rank 8, attention q and v", {"model.lora_rank": "8"}),
-            ("LoRA rank 8, every weight", {"model.lora_rank": "8", "model.lora_targets": ".*"}))
+            ("LoRA rank 8, every weight", {"model.lora_rank": "8", "model.lora_targets": ".*"}),
+            ("LoRA rank 8, every weight, int8 base", {"model.lora_rank": "8",
+                                                      "model.lora_targets": ".*",
+                                                      "model.lora_base_bits": "8"}))
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""CLI: python -m jaxtrain {train,prepare,sample,convert,inspect,comm,plan,compile,eval} ...
+"""CLI: python -m jaxtrain {train,launch,prepare,sample,convert,inspect,comm,plan,compile,eval} ...
 Parses flags, loads the config, calls the library.
 
 Bad flags and bad values end with one line on stderr and exit status 2."""
@@ -66,17 +66,23 @@ def parse(argv):
                            help="tokenize a corpus once into the cache that training reads")
   prepare.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   prepare.add_argument("--workdir", required=True)
-  sample = sub.add_parser("sample", help="continue a prompt with a trained model")
+  sample = sub.add_parser("sample", help="continue a prompt with a trained model (a masked LM: "
+                          "fill in its [MASK] markers; a vlm run: answer about --image)")
   sample.add_argument("--workdir", required=True)
   sample.add_argument("--prompt", default=None, help="defaults to the config's sample.prompt")
   sample.add_argument("--max_new_tokens", type=int, default=None)
   sample.add_argument("--temperature", type=float, default=None)
   sample.add_argument("--top_k", type=int, default=None)
   sample.add_argument("--seed", type=int, default=0)
+  sample.add_argument("--image", default=None, metavar="PATH",
+                      help="a vlm run: the PNG or JPEG file to answer about (the prompt defaults to "
+                           "'shape?' on the shapes data, to none on image-text pairs)")
   convert = sub.add_parser(
-      "convert", help="HF Llama/Mixtral safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
+      "convert",
+      help="HF Llama/Mixtral/BERT safetensors <-> jaxtrain checkpoint, streamed leaf by leaf")
   convert.add_argument("--from_hf", metavar="HF_DIR",
-                       help="a HF Llama or Mixtral directory (config.json + *.safetensors)")
+                       help="a HF Llama, Mixtral or BertForMaskedLM directory (config.json + "
+                       "*.safetensors)")
   convert.add_argument("--to", metavar="WORKDIR",
                        help="with --from_hf: the workdir to create (config.json, checkpoints/0)")
   convert.add_argument("--from", dest="from_dir", metavar="DIR",
@@ -122,6 +128,11 @@ def parse(argv):
   compile_.add_argument("--target", required=True, metavar="KIND:SHAPE",
                         help="tpu-v5p:4x4x4, tpu-v5e:16x16, tpu-v6e:8x8, h100:8, h200:8")
   eval_cli.add_parser(sub)
+  # parsed by jaxtrain/launch.py (main() hands it over before this parser sees `-- train ...`)
+  sub.add_parser("launch", add_help=False,
+                 help="the N processes of a multi-process run on this host, restarted from the "
+                      "newest checkpoint when one dies: launch --processes N [--max_restarts K] "
+                      "[--min_processes M] -- train ...")
   return parser.parse_args(rest), overrides
 
 
@@ -246,6 +257,13 @@ def _plan(cfg, args) -> int:
           f"train.microbatches={choice['microbatches']}")
   prediction = predict(cfg, n, kind, limit)
   print(prediction.table())
+  if cfg.train.task == "vlm":
+    from jaxtrain.model.vision import vision_param_count
+    vision = vision_param_count(config_lib.ModelConfig.from_config(cfg.model),
+                                config_lib.VisionConfig.from_config(cfg.model.vision))
+    print(f"note: train.task=vlm: the prediction is the decoder's alone; the image encoder and "
+          f"projector ({vision:,} parameters) and their activations are not in it (--compiled "
+          "compiles the whole step)")
   if args.compiled:
     print(_compiled_line(cfg, args.target, prediction.memory["total"]))
   return 0
@@ -279,8 +297,12 @@ def _compile(cfg, args) -> int:
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["launch"]:
+    from jaxtrain import launch
+    return launch.main(argv[1:])
   try:
-    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse(argv)
     if args.command in CONFIG_COMMANDS:
       cfg = config_files.apply_overrides(config_files.load_config_file(args.config), overrides)
       if args.command == "plan":
@@ -334,8 +356,8 @@ def main(argv=None) -> int:
       print(f"preempted ({final['preempted']}) at step {final['step']}: checkpoint saved; "
             "rerun the same command to resume", file=sys.stderr)
       return EXIT_STATUS
-    # a reward model scores text
-    if not args.no_sample and cfg.train.task != "rm" and jax.process_index() == 0:
+    # a reward model scores text; a vlm run answers about an image (sample --image PATH)
+    if not args.no_sample and cfg.train.task not in ("rm", "vlm") and jax.process_index() == 0:
       s = cfg.sample
       text = jaxtrain.sample(args.workdir, s.prompt, s.max_new_tokens, s.temperature, s.top_k)
       print(f"sample: {s.prompt!r} -> {text!r}")
@@ -343,12 +365,15 @@ def main(argv=None) -> int:
 
   try:
     from jaxtrain.train import load_config
-    s = load_config(args.workdir).sample
-    prompt = s.prompt if args.prompt is None else args.prompt
+    saved = load_config(args.workdir)
+    s = saved.sample
+    prompt = args.prompt if args.prompt is not None else (
+        None if saved.train.task == "vlm" else s.prompt)  # a vlm run's default is its data's
     text = jaxtrain.sample(args.workdir, prompt,
                            s.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
                            s.temperature if args.temperature is None else args.temperature,
-                           s.top_k if args.top_k is None else args.top_k, seed=args.seed)
+                           s.top_k if args.top_k is None else args.top_k, seed=args.seed,
+                           image=args.image)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -16,11 +16,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtrain import checkpoint, config as config_lib, optim, parallel
 from jaxtrain.core import lora, offload, state as state_lib
 from jaxtrain.core.lm import LanguageModel
+from jaxtrain.core.mlm import MaskedLanguageModel
 from jaxtrain.core.step import make_train_step
+from jaxtrain.core.vlm import VisionLanguage
 from jaxtrain.posttrain import Dpo, Grpo, Ppo, RewardModel, Sft
 
 # train.task -> the task it trains: the one list of tasks (a task written elsewhere: task=).
-TASKS = {"lm": LanguageModel, "sft": Sft, "rm": RewardModel, "dpo": Dpo, "grpo": Grpo, "ppo": Ppo}
+TASKS = {"lm": LanguageModel, "mlm": MaskedLanguageModel, "vlm": VisionLanguage, "sft": Sft,
+         "rm": RewardModel, "dpo": Dpo, "grpo": Grpo, "ppo": Ppo}
 
 
 class Run(NamedTuple):

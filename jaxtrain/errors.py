@@ -9,6 +9,10 @@ it).
   6  a peer process of a multi-process run was lost: one line names it, within
      ~1.2 x train.peer_timeout_s of the loss (`PeerLost`; train/peers.py ends the process, since its
      collectives may never return)
+  7  out of memory: XLA's RESOURCE_EXHAUSTED while compiling or running the step, or (CPU) less
+     host memory available than the planner predicts; one line with the planner's advice
+     (`OutOfMemory`; with train.batch_size=auto, after one retry with twice the microbatches).
+     A kernel OOM kill cannot be caught: the parent sees -9 (SIGKILL; a shell's 137)
 No jax import here.
 """
 
@@ -29,3 +33,7 @@ class SaveFailed(RunError):
 
 class PeerLost(RunError):
   exit_status = 6
+
+
+class OutOfMemory(RunError):
+  exit_status = 7

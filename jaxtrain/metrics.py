@@ -5,6 +5,8 @@ A sink: it takes plain dicts and numbers and imports nothing else from jaxtrain.
 
 import json
 import os
+import socket
+import sys
 import time
 
 import jax
@@ -59,16 +61,41 @@ def measure_matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> f
 _measured_peak = {}
 
 
-def peak_flops(dtype_name: str = "float32") -> tuple[float, str]:
-  """Peak FLOP/s of one local device: the table for known accelerators, else a probe (cached)."""
+def peak_flops(dtype_name: str = "float32", kept: str | None = None) -> tuple[float, str]:
+  """Peak FLOP/s of one local device: the table for known accelerators, else a probe (cached in
+  the process, and in the JSON file `kept` by host, device kind and dtype, so that a restart on
+  the same host skips the probe's seconds)."""
   device = jax.local_devices()[0]
   for name, peaks in PEAK_FLOPS.items():
     if name in device.device_kind:
       return peaks[dtype_name], f"table:{name}"
+  key = f"{socket.gethostname()}/{device.platform}/{device.device_kind}/{dtype_name}"
+  known = _read_json(kept) if kept else {}
   if dtype_name not in _measured_peak:
-    _measured_peak[dtype_name] = measure_matmul_peak(dtype=jnp.dtype(dtype_name))
+    _measured_peak[dtype_name] = known.get(key) or measure_matmul_peak(dtype=jnp.dtype(dtype_name))
+  if kept and key not in known:
+    _write_json(kept, {**known, key: _measured_peak[dtype_name]})
   # On CPU the virtual devices share the cores: the probe measures the whole host.
   return _measured_peak[dtype_name], f"probe:{device.platform}"
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):  # none yet, or unreadable: probe again
+    return {}
+
+
+def _write_json(path: str, value: dict):
+  """Replaced atomically (processes of several hosts may write it)."""
+  try:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+      json.dump(value, f)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+  except OSError:  # a read-only workdir: the next start probes again
+    pass
 
 
 class MetricsWriter:
@@ -78,7 +105,7 @@ class MetricsWriter:
     self.enabled = enabled
     if not enabled:
       return
-    from tensorboardX import SummaryWriter  # optional sink; imported only when writing
+    SummaryWriter = _summary_writer()
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     torn = os.path.isfile(path) and os.path.getsize(path) and _last_byte(path) != b"\n"
@@ -101,6 +128,20 @@ class MetricsWriter:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+
+
+def _summary_writer():
+  """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when it is
+  installed (seconds at every start, for tensor types this writer never gets)."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
 
 
 def _plain(v):

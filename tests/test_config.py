@@ -13,6 +13,7 @@ import pytest
 from jaxtrain import config as config_lib, config_files
 from jaxtrain.__main__ import main
 from jaxtrain.model import param_count
+from jaxtrain.model.vision import vision_param_count
 from jaxtrain import builder
 from jaxtrain.core import state as state_lib
 
@@ -33,7 +34,8 @@ def test_config_builds_and_shards_abstractly(path):
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
   head = sum(int(np.prod(x.shape)) for k in ("reward_head", "value_head")  # train.task rm, ppo
              for x in jax.tree.leaves(abstract.params.get(k, {})))
-  assert n == param_count(model.cfg) + head
+  vision = vision_param_count(model.cfg, model.vision) if cfg.train.task == "vlm" else 0
+  assert n == param_count(model.cfg) + head + vision
   name = os.path.basename(path)[:-3]
   if name in EXPECTED:
     assert abs(n - EXPECTED[name]) / EXPECTED[name] < 0.01, n

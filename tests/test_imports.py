@@ -18,10 +18,10 @@ PACKAGE = os.path.join(ROOT, "jaxtrain")
 # A module's layer is its first name under jaxtrain; modules in one layer may import each other.
 LAYERS = [{"config", "errors"}, {"config_files"}, {"data"}, {"collectives", "kernels", "wire"},
           {"model"}, {"parallel"}, {"optim"}, {"core"}, {"posttrain"}, {"builder"}, {"plan"},
-          {"aot"}, {"train", "eval"}, {"plotting"}]
+          {"aot"}, {"train", "eval", "launch"}, {"plotting"}]
 SINKS = {"checkpoint", "metrics"}  # take any pytree or dict; imported by core and later layers
 INTEROP = {"jaxtrain.checkpoint.hf", "jaxtrain.checkpoint.hf_rope", "jaxtrain.checkpoint.pretrained",
-           "jaxtrain.checkpoint.convert"}
+           "jaxtrain.checkpoint.convert", "jaxtrain.checkpoint.hf_bert"}
 ROOTS = {None, "__main__"}  # the package face and the CLI may import anything of jaxtrain
 
 
@@ -144,4 +144,10 @@ def test_import_jaxtrain_imports_no_jax():
 
 def test_cli_help_imports_no_jax():
   loaded = imported_modules("-m", "jaxtrain", "--help")
+  assert "jaxtrain" in loaded and not loaded & {"jax", "jaxlib", "flax", "optax", "orbax"}, sorted(loaded)
+
+
+def test_launch_imports_no_jax():
+  """launch only manages `train` subprocesses: the launcher itself loads no jax."""
+  loaded = imported_modules("-c", "from jaxtrain.__main__ import main; main(['launch', '--help'])")
   assert "jaxtrain" in loaded and not loaded & {"jax", "jaxlib", "flax", "optax", "orbax"}, sorted(loaded)

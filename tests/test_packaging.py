@@ -1,6 +1,7 @@
 """The built wheel holds every jaxtrain package and the configs, so that the README's library example
 (`jaxtrain.get_config("configs/tiny.py")`) works after `pip install` outside the repository."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -43,3 +44,34 @@ def test_library_names_the_readme_uses():
   assert step.make_train_step is jaxtrain.core.step.make_train_step
   assert callable(jaxtrain.read_metrics) and jaxtrain.plot is jaxtrain.plotting.plot
   assert jaxtrain.Task is jaxtrain.train.Task
+
+
+# modules that only the user of an optional extra imports, with that extra
+OPTIONAL = {"jaxtrain/eval/adapter.py": "eval"}
+
+
+def test_every_module_level_import_is_a_declared_dependency():
+  """A fresh `pip install jaxtrain` has what its modules import at load time: a package that arrives only
+  through the test extra (Pillow came with matplotlib) would pass every test here and fail on import there."""
+  import ast
+  import importlib.metadata
+  import re
+  project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
+  norm = lambda name: re.split(r"[<>=\[ ;]", name)[0].lower().replace("_", "-")
+  declared = {norm(d) for d in project["dependencies"]}
+  owners = importlib.metadata.packages_distributions()
+  undeclared = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "jaxtrain", "**", "*.py"), recursive=True)):
+    rel = os.path.relpath(path, ROOT)
+    allowed = declared | {norm(d) for d in project["optional-dependencies"].get(OPTIONAL.get(rel, ""), [])}
+    for node in ast.parse(open(path).read()).body:
+      if isinstance(node, ast.Import):
+        modules = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        modules = [node.module]
+      else:
+        continue
+      for top in {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - {"jaxtrain"}:
+        if not {norm(d) for d in owners.get(top, [top])} & allowed:
+          undeclared.append(f"{rel}: {top}")
+  assert not undeclared, undeclared

@@ -143,7 +143,7 @@ def run_point(name: str, cfg, n_devices: int, workdir: str, study, start_over: b
   median = statistics.median(r["step_time_s"] for r in timed(rows))
   tokens = cfg.train.batch_size * cfg.train.seq_len
   steps_to, time_to = time_to_target(rows, median, study.TARGET, study.SMOOTH)
-  point = {"name": name, "devices": n_devices, "params": param_count(config_lib.ModelConfig(**cfg.model.to_dict())),
+  point = {"name": name, "devices": n_devices, "params": param_count(config_lib.ModelConfig.from_config(cfg.model)),
            "tokens_per_step": tokens, "steps": cfg.train.steps, "median_step_s": median,
            "tokens_per_sec": tokens / median, "first_step_s": rows[0]["step_time_s"], "memory": memory,
            "peak_rss": peak_rss, "final_loss": rows[-1]["loss"], "steps_to_target": steps_to,

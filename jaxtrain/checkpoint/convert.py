@@ -1,5 +1,6 @@
-"""Streaming conversion between HF Llama / Mixtral checkpoints and jaxtrain's Orbax checkpoints, and
-inspection.
+"""Streaming conversion between HF Llama / Mixtral / BERT (masked LM) checkpoints and jaxtrain's
+Orbax checkpoints, and inspection. BERT (config.json's model_type) goes through hf_bert.py into the
+encoder (model.arch=encoder, train.task=mlm), every other model through hf.py.
 
 Checkpoint layout and readers (tiers, steps, config, partial restore): pretrained.py.
 
@@ -25,7 +26,7 @@ import ml_collections
 import numpy as np
 
 from jaxtrain import config as config_lib
-from jaxtrain.checkpoint import hf, safetensors_io
+from jaxtrain.checkpoint import hf, hf_bert, safetensors_io
 from jaxtrain.checkpoint.pretrained import (META, STATE, find_step, manager, model_config,
                                             params_metadata, read_config, read_json, restore_params,
                                             state_metadata, tiers)
@@ -79,10 +80,12 @@ def read_hf(hf_dir: str):
   file's size) and every tensor name and shape are checked; ConfigError (one line) otherwise."""
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
     raise config_lib.ConfigError(
-        f"--from_hf: {hf_dir} has no config.json (expected a HF Llama or Mixtral directory)")
+        f"--from_hf: {hf_dir} has no config.json (expected a HF Llama, Mixtral or BERT directory)")
   try:
-    model = hf.read_config(hf_dir)
-    hf.check_tensors(model, safetensors_io.tensor_index(hf_dir), hf_dir)
+    reader = hf_bert if hf_bert.is_bert(hf_dir) else hf
+    model = reader.read_config(hf_dir)
+    index = safetensors_io.tensor_index(hf_dir)
+    reader.check_tensors(model, hf_bert.aliased(index) if reader is hf_bert else index, hf_dir)
   except (ValueError, OSError) as e:
     raise config_lib.ConfigError(f"--from_hf: {e}") from e
   return model
@@ -145,7 +148,7 @@ def write_workdir(hf_dir: str, model, tokenizer: str | None, root: str, final_ro
   # MiB, benchmarks/convert_memory.py). Weights barely compress; restore reads either codec.
   context.array.saving.use_compression = False
   with context:
-    for path, leaf in hf.read_leaves(hf_dir, model, _np_dtype(dtype)):
+    for path, leaf in interop(model).read_leaves(hf_dir, model, _np_dtype(dtype)):
       save_leaf(staging, path, leaf)
       del leaf
     ocp.v1.partial.finalize(staging)
@@ -161,7 +164,23 @@ def workdir_config(model, dtype: str, tokenizer: str | None) -> ml_collections.C
             if f.name in cfg.model and f.name not in ("param_dtype", "compute_dtype")}
   cfg.model.update(values, param_dtype=dtype)
   cfg.data.update(kind="text", tokenizer=tokenizer or "")
+  if model.arch == "encoder":  # BERT: the masked LM, its [MASK] the tokenizer's
+    cfg.train.update(task="mlm", mask_token=bert_mask_token(tokenizer, model.vocab_size))
   return cfg
+
+
+def bert_mask_token(tokenizer: str | None, vocab_size: int) -> int:
+  """The id of a HF tokenizer.json's [MASK], or -1 (model.vocab_size - 1) without one."""
+  if tokenizer is None or not tokenizer.endswith(".json"):
+    return -1
+  import tokenizers
+  found = tokenizers.Tokenizer.from_file(tokenizer).token_to_id("[MASK]")
+  return found if found is not None and found < vocab_size else -1
+
+
+def interop(model):
+  """The HF interop module of a ModelConfig: hf_bert for the encoder, hf for the decoder."""
+  return hf_bert if model.arch == "encoder" else hf
 
 
 def carry_tokenizer(path: str | None, root: str) -> dict | None:
@@ -215,9 +234,13 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
     raise config_lib.ConfigError(f"--to_hf: {out_dir} is not empty")
   mngr, step = find_step(src, step)
   cfg = read_config(src, mngr, step)
+  if cfg.train.get("task") == "vlm":
+    raise config_lib.ConfigError(
+        f"--to_hf: {mngr.directory}/{step} is a vlm run (image encoder, projector, decoder); export "
+        "to a Hugging Face vision-language model (LLaVA) is not built")
   model = model_config(cfg, mngr, step)
   try:
-    hf.config_to_hf(model, dtype)
+    interop(model).config_to_hf(model, dtype)
   except ValueError as e:
     raise config_lib.ConfigError(f"--to_hf: {mngr.directory}/{step}: {e}") from None
   if cfg.model.get("lora_rank"):  # a LoRA run's params are adapters: its merged weights, whole
@@ -226,7 +249,7 @@ def to_hf(src: str, out_dir: str, step: int | None = None, dtype: str = "float32
   else:
     leaf_fn = _leaf_reader(mngr, step, model)
 
-  hf.write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
+  interop(model).write_hf(model, out_dir, leaf_fn, dtype, max_shard_bytes)
   tokenizer = cfg.data.tokenizer
   name = {".json": "tokenizer.json",
           ".model": "tokenizer.model"}.get(os.path.splitext(tokenizer)[1])
@@ -239,7 +262,7 @@ def _leaf_reader(mngr, step: int, model):
   """path -> that leaf of the step's params, read alone; the shapes checked against `model`
   first."""
   meta = params_metadata(mngr, step)
-  for path, shape, _ in hf.leaf_plan(model):
+  for path, shape, _ in interop(model).leaf_plan(model):
     saved = hf.get_at(meta, path)
     if saved is None or tuple(saved.shape) != tuple(shape):
       raise config_lib.ConfigError(

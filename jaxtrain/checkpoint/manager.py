@@ -7,13 +7,20 @@ writes a step into a temporary directory and renames it when complete, so a step
 being written when the process died is never listed, and is removed at the next start.
 
 Two tiers: a *fast* one (local disk or RAM disk, saved often, kept short) and a *persistent*
-one (any path or TensorStore URL, saved less often, kept by a preservation policy). Each saves
-asynchronously under its own save policy; restore takes the newest complete step of either.
+one (any path, or an `s3://` or `gs://` URL, saved less often, kept by a preservation policy). Each
+saves asynchronously under its own save policy; restore takes the newest complete step of either.
+On object storage, which has no rename, a step is written in place and committed by a
+`commit_success.txt` written last (object_store.py).
 
 A save that fails (a full or read-only disk), in its blocking part or on Orbax's background
 thread, is one line on stderr and one `checkpoint_error` record; training goes on and the next
 due save retries. `check` ends the run (errors.SaveFailed) when `checkpoint.max_failed_saves`
-saves of a tier failed in a row, or the final save failed.
+saves of a tier failed in a row, or the final save failed. Over several processes a local tier's
+directory is probed by process 0 before each save and the verdict agreed: Orbax makes the step's
+directory on process 0 alone, between two barriers, so a failure there left the other processes
+waiting 300 s at the second barrier while process 0 trained on into a collective they never joined,
+and their barrier counters out of step for every later save (orbax 0.12). A fault that lands in
+the milliseconds between the probe and Orbax's mkdir still does that.
 """
 
 import dataclasses
@@ -31,7 +38,7 @@ import tqdm
 from etils import epath
 
 from jaxtrain import errors
-from jaxtrain.checkpoint import policy as policy_lib, quiet
+from jaxtrain.checkpoint import object_store, policy as policy_lib, quiet
 
 FORMAT = 1
 
@@ -134,14 +141,29 @@ def _reason(e: BaseException) -> str:
   return " ".join(str(e).split()) or type(e).__name__
 
 
+def _probe(directory: str) -> str:
+  """"" when a directory can be made in `directory` now (made and removed), else why not."""
+  probe = os.path.join(directory, f".jaxtrain-probe-{os.getpid()}")
+  try:
+    os.makedirs(probe, exist_ok=True)
+    os.rmdir(probe)
+  except OSError as e:
+    return _reason(e)
+  return ""
+
+
 class Checkpoints:
   """The tiers of one run: `save` (each tier by its policy, or forced), `restore` (newest complete
   step of any tier), `finished_saves` (records of saves Orbax has finalized since the last call)."""
 
-  def __init__(self, k, workdir: str, *, read_only: bool = False):
-    """`k`: the `checkpoint` config section (ConfigDict)."""
+  def __init__(self, k, workdir: str, *, read_only: bool = False, agree=None):
+    """`k`: the `checkpoint` config section (ConfigDict). `agree(name, value)`: process 0's value on
+    every process (the loop passes train.peers.agree); without it, or on one process, no probe."""
     quiet.install()
+    self._agree = agree
     dirs = tier_dirs(k, workdir)
+    if any(object_store.is_s3(d) for d in dirs.values()):
+      object_store.configure(k)
     self._compress, self._ocdbt = bool(k.compress), bool(k.ocdbt)
     self._max_failed = 0 if read_only else k.max_failed_saves
     self.tiers: list[Tier] = []
@@ -179,7 +201,8 @@ class Checkpoints:
         create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
         save_decision_policy=decide or policy_lib.policies.SpecificStepsPolicy(()),
         preservation_policy=policy_lib.preservation_policy(keep, keep_every_steps, tier.adaptive),
-        async_options=async_options, enable_background_delete=False)
+        async_options=async_options, enable_background_delete=False,
+        atomicity_options=object_store.COMMIT_FILE if object_store.is_s3(tier.directory) else None)
     handlers = _handlers(self._compress, self._ocdbt)
     return ocp.CheckpointManager(tier.directory, options=options, item_handlers=handlers)
 
@@ -213,6 +236,11 @@ class Checkpoints:
     return [f"{t.name}: {d}" for t in self.tiers if t.adaptive
             for d in [t.adaptive.observe(step, loss, grad_norm, skipped)] if d]
 
+  def hardware(self, step: int, risk: float, why: str) -> list[str]:
+    """Feeds the run's hardware risk to the adaptive policies; returns their logged decisions."""
+    return [f"{t.name}: {d}" for t in self.tiers if t.adaptive
+            for d in [t.adaptive.hardware(step, risk, why)] if d]
+
   def due(self, step: int) -> list[Tier]:
     return [t for t in self.tiers if t.manager.should_save(step)]
 
@@ -238,6 +266,9 @@ class Checkpoints:
       record = SaveRecord(tier.name, step, nbytes, 0.0, time.perf_counter())
       with self._lock:
         self._records.append(record)
+      if why := self._unwritable(tier):
+        self._failed(tier, record, OSError(why))
+        continue
       try:
         tier.manager.save(step, args=args, force=True)
       except Exception as e:  # a disk fault in the blocking part: the next due save retries
@@ -247,6 +278,14 @@ class Checkpoints:
       if tier.adaptive and (d := tier.adaptive.saved(step)):
         decisions.append(f"{tier.name}: {d}")
     return decisions
+
+  def _unwritable(self, tier: Tier) -> str:
+    """Over several processes, for a local tier: why process 0 cannot make a step directory in it
+    now ("" when it can), agreed by every process; else ""."""
+    if self._agree is None or jax.process_count() == 1 or "://" in tier.directory:
+      return ""
+    return self._agree(f"checkpoint/{tier.name}/probe",
+                       _probe(tier.directory) if jax.process_index() == 0 else "")
 
   def persistent(self) -> list[Tier]:
     return [t for t in self.tiers if t.name == "persistent"]
@@ -323,6 +362,9 @@ class Checkpoints:
     try:
       for partial in epath.Path(tier.directory).glob(f"{record.step}.orbax-checkpoint-tmp*"):
         partial.rmtree()
+      step = epath.Path(tier.directory) / str(record.step)  # written in place, never committed
+      if object_store.is_s3(tier.directory) and not (step / "commit_success.txt").exists():
+        step.rmtree(missing_ok=True)
     except OSError:
       pass  # the directory itself is unusable; Orbax removes partial steps at the next start
 
@@ -367,6 +409,8 @@ class Checkpoints:
 def remove_tiers(k, workdir: str) -> None:
   """Deletes every tier's checkpoints (start over) of the `checkpoint` config section `k`."""
   for directory in tier_dirs(k, workdir).values():
+    if object_store.is_s3(directory):
+      object_store.configure(k)
     path = epath.Path(_abs(directory))
     if path.exists():
       if "://" in directory:

@@ -4,8 +4,8 @@ The adaptive policy saves more often while training is unstable and less often w
 converges smoothly. The loop feeds it each step's loss, gradient norm and skipped-step count
 (`observe`); Orbax asks it `should_save`. Every change of interval is returned by `observe`
 so that the loop logs it. It also marks *good* steps, which `KeepGood` preserves, so that a
-rollback after a divergence has a step from before it. All inputs are global values, so every
-process decides alike.
+rollback after a divergence has a step from before it. Hardware health (train/hardware.py) caps
+the interval (`hardware`). All inputs are global values, so every process decides alike.
 """
 
 import collections
@@ -34,6 +34,7 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
 
   def __post_init__(self):
     self.interval = self.min_steps
+    self.cap = self.max_steps  # the hardware risk's bound on the interval
     self._losses = collections.deque(maxlen=self.window)
     self._grad_norms = collections.deque(maxlen=self.window)
     self._skipped = 0
@@ -81,14 +82,25 @@ class AdaptivePolicy(policies.SaveDecisionPolicy):
     steps = set(steps)
     return max((s for s in self.good if s in steps), default=None)
 
+  def hardware(self, step: int, risk: float, why: str) -> str | None:
+    """Takes the run's hardware risk in [0, 1]: the interval is at most
+    max(min_steps, floor(max_steps x (1 - risk))) until the next reading; returns why the interval
+    shortened, or None."""
+    self.cap = max(self.min_steps, math.floor(self.max_steps * (1 - risk)))
+    if self.interval <= self.cap:
+      return None
+    self.interval = self.cap
+    return f"interval -> {self.interval} steps (hardware risk {risk:.2f} at step {step}: {why})"
+
   def saved(self, step: int) -> str | None:
-    """Called after each save of this tier: a calm stretch doubles the interval."""
+    """Called after each save of this tier: a calm stretch doubles the interval (up to the hardware
+    cap)."""
     calm, self._calm_since_save = self._calm_since_save, True
     if calm:
       self._unjudged.append(step)
-    if not calm or self.interval >= self.max_steps:
+    if not calm or self.interval >= min(self.max_steps, self.cap):
       return None
-    self.interval = min(2 * self.interval, self.max_steps)
+    self.interval = min(2 * self.interval, self.max_steps, self.cap)
     return f"interval -> {self.interval} steps (calm since the last save)"
 
   def should_save(self, step, previous_steps, *, context) -> bool:

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 
 from jaxtrain import config as config_lib
-from jaxtrain.checkpoint import hf
+from jaxtrain.checkpoint import hf, hf_bert
 
 STATE, META = "state", "meta"
 
@@ -158,6 +158,17 @@ def load_extra(src: str, step: int | None = None) -> dict:
   return _extra(*find_step(src, step))
 
 
+def load_task_state(src: str, step: int | None = None, key: str = "") -> dict:
+  """A training checkpoint's task state (TrainState.task_state; only its entry `key` when given) of
+  its newest step (or `step`) as numpy; {} when it has none (a frozen vlm encoder lives there)."""
+  mngr, step = find_step(src, step)
+  tree = state_metadata(mngr, step)
+  tree = tree.get("task_state") if isinstance(tree, dict) else None
+  if tree and key:
+    tree = {key: tree[key]} if key in tree else None
+  return restore_params(mngr, step, tree, "task_state") if tree else {}
+
+
 def _extra(mngr, step: int) -> dict:
   tree = state_metadata(mngr, step)
   extra = tree.get("extra") if isinstance(tree, dict) else None
@@ -177,7 +188,8 @@ def load_params(src: str, step: int | None = None):
 def _merged(saved, params: dict, mngr, step: int) -> dict:
   """The full weights of `step`, whose saved config is `saved`: its params, or for a LoRA run
   (model.lora_rank > 0: its params are adapters) its base (checkpoint.init_from at the step the
-  run started from, its task state's lora_base_step) with the adapters merged in."""
+  run started from, its task state's lora_base_step; int8 and back with model.lora_base_bits=8, as
+  the run saw it) with the adapters merged in."""
   m = saved.get("model", {})
   if not m.get("lora_rank"):
     return params
@@ -187,22 +199,24 @@ def _merged(saved, params: dict, mngr, step: int) -> dict:
                                   "task_state")["lora_base_step"])
                if "lora_base_step" in task_state else None)
   _, base = load_params(saved["checkpoint"]["init_from"], base_step)
+  if m.get("lora_base_bits"):  # the adapters were trained against the int8 base
+    base = _numpy(lora.dequantize(lora.quantize(base)))
   merged = lora.merge(base, params, m["lora_alpha"], m["lora_rank"])
   return _numpy(merged)
 
 
 def load_pretrained(path: str):
-  """(cfg, params, apply_fn) from a HF Llama or Mixtral directory, or from a jaxtrain workdir or
+  """(cfg, params, apply_fn) from a HF Llama, Mixtral or BERT directory, or from a jaxtrain workdir or
   checkpoint tier (its newest step's params, read with Orbax partial restore); apply_fn(params,
   tokens_BL) -> logits_BLV. A trained MoE's expert biases (TrainState.extra) are bound into
   apply_fn: they choose the experts."""
   extra = {}
   if hf.is_hf_dir(path):
-    cfg, params = hf.import_hf(path)
+    cfg, params = (hf_bert if hf_bert.is_bert(path) else hf).import_hf(path)
   else:
     cfg, params = load_params(path)
     extra = load_extra(path)
-  model = hf.Transformer(cfg)
+  model = hf_bert.Encoder(cfg) if cfg.arch == "encoder" else hf.Transformer(cfg)
   return cfg, params, lambda p, tokens_BL: model.apply({"params": p, **extra}, tokens_BL)
 
 

@@ -11,11 +11,11 @@ from jaxtrain.config.errors import ConfigError, flat
 from jaxtrain.config.mesh import DATA_AXES, MESH_AXES, PRESETS, RULES, mesh_shape
 from jaxtrain.config.model import (
     ATTENTION, DISPATCH, DTYPES, FP8, FUSED_NORM, GROUPED_MATMUL, REMAT, ROPE_SCALINGS, ROUTERS,
-    ModelConfig, validate_rope)
+    ModelConfig, VisionConfig, image_token, validate_rope)
 from jaxtrain.config.optim import ON_DIVERGENCE, OPTIMIZERS, SCHEDULES
 from jaxtrain.config.posttrain import ADVANTAGE_SCALES, PREFERENCE_LOSSES, RL_AGGREGATES
 from jaxtrain.config.schema import FLOAT_RANGES, default_config
-from jaxtrain.config.train import AUTO, AUTO_KEYS, CROSS_ENTROPY
+from jaxtrain.config.train import AUTO, AUTO_KEYS, CROSS_ENTROPY, nan_steps
 
 __all__ = [
     "FLOAT_RANGES", "RESUMABLE_CHANGES", "compressing", "flat", "incompatible", "manual_axis",
@@ -23,5 +23,6 @@ __all__ = [
     "AUTO_KEYS", "BAD_UTF8", "COMM_KERNELS", "CROSS_ENTROPY", "ConfigError",
     "DATA_AXES", "DATA_FORMATS", "DATA_KINDS", "DISPATCH", "DTYPES", "ERROR_FEEDBACK", "FP8",
     "FUSED_NORM", "GROUPED_MATMUL", "MESH_AXES", "ModelConfig", "ON_DIVERGENCE", "OPTIMIZERS",
-    "PACKINGS", "PREFERENCE_LOSSES", "PRESETS", "REMAT", "RL_AGGREGATES", "ROPE_SCALINGS",
-    "ROUTERS", "RULES", "SCHEDULES", "default_config", "mesh_shape"]
+    "VisionConfig", "image_token", "PACKINGS", "PREFERENCE_LOSSES", "PRESETS", "REMAT",
+    "RL_AGGREGATES", "ROPE_SCALINGS",
+    "ROUTERS", "RULES", "SCHEDULES", "default_config", "mesh_shape", "nan_steps"]

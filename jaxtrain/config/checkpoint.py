@@ -12,6 +12,8 @@ def checkpoint_defaults() -> ml_collections.ConfigDict:
   # persistent tier: also save when this many seconds passed since its last save
   k.every_seconds = 0.0
   k.dir = ""  # persistent tier: a path or TensorStore URL (gs://, s3://); "" = WORKDIR/checkpoints
+  # s3:// tiers: the S3-compatible endpoint URL; "" = $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL or AWS
+  k.s3_endpoint = ""
   k.keep = 2  # persistent tier: keep the newest n steps
   k.keep_every_steps = 0  # persistent tier: also keep every step divisible by this (0: none)
   k.fast_dir = ""  # fast tier (local disk, RAM disk); "" = no fast tier
@@ -25,6 +27,9 @@ def checkpoint_defaults() -> ml_collections.ConfigDict:
   k.adaptive_min_steps = 10
   k.adaptive_max_steps = 200
   k.adaptive_spike = 0.1  # a loss above (1 + spike) x its running median is unstable
+  # read hardware health (GPU ECC/throttling/temperature, tier disks, host memory) every n steps:
+  # a hardware_health row, and a risk that shortens the adaptive interval (train/hardware.py); 0: off
+  k.health_every_steps = 100
   # Orbax's OCDBT key-value store (few files; best on object stores); False: a zarr dir per array
   k.ocdbt = True
   # zstd on the arrays: barely smaller for trained weights, much slower (benchmarks/RESULTS.md)
@@ -35,7 +40,7 @@ def checkpoint_defaults() -> ml_collections.ConfigDict:
 
 def validate_checkpoint(cfg) -> None:
   k = cfg.checkpoint
-  for key in ("every_steps", "keep_every_steps", "fast_every_steps"):
+  for key in ("every_steps", "keep_every_steps", "fast_every_steps", "health_every_steps"):
     if k[key] < 0:
       raise ConfigError(f"checkpoint.{key} must be >= 0, got {k[key]}")
   if k.every_seconds < 0 or k.fast_every_seconds < 0:

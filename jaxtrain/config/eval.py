@@ -13,7 +13,7 @@ def eval_defaults() -> ml_collections.ConfigDict:
   e.tasks = ""  # comma-separated JSONL task files; "" = no in-loop task evaluation
   e.every_steps = 0  # 0 = train.eval_every's steps (and the last step, as eval loss)
   e.limit = 0  # the first N docs of each task; 0 = all
-  e.num_fewshot = 0  # solved examples before each multiple-choice doc
+  e.num_fewshot = -1  # solved examples before each doc; -1 = each task's own (a YAML's, else 0)
   e.seed = 0  # the few-shot draw's seed
   return e
 
@@ -33,8 +33,9 @@ def every_steps(cfg) -> int:
 def validate_eval(cfg) -> None:
   e = cfg.eval
   for key in ("every_steps", "limit", "num_fewshot", "seed"):
-    if isinstance(e[key], (str, float)) or e[key] < 0:
-      raise ConfigError(f"eval.{key} must be an integer >= 0, got {e[key]!r}")
+    if isinstance(e[key], (str, float)) or e[key] < (-1 if key == "num_fewshot" else 0):
+      own = " (or -1: each task's own)" if key == "num_fewshot" else ""
+      raise ConfigError(f"eval.{key} must be an integer >= 0{own}, got {e[key]!r}")
   paths = task_paths(cfg)
   if not paths:
     return

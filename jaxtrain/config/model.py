@@ -21,6 +21,12 @@ ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 # import/export: checkpoint/hf.py.
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 FP8 = ("off", "current")  # jaxtrain/model/fp8.py MODES
+# decoder: jaxtrain/model/transformer.py; encoder: the BERT-style bidirectional encoder of
+# jaxtrain/model/encoder.py, trained by train.task=mlm
+ARCHS = ("decoder", "encoder")
+POSITIONS = ("rope", "learned")  # rotary (the decoder's only), or learned absolute embeddings
+# what the encoder runs (its blocks are BERT's; kernels are not checked bidirectional yet)
+ENCODER_ATTENTION = ("auto", "xla", "blockwise")
 # (low, high, whether low itself is allowed) for float settings; high is inclusive unless math.inf.
 RANGES = {"model.rope_theta": (0.0, math.inf, False), "model.norm_eps": (0.0, 1.0, False),
           "model.init_std": (0.0, math.inf, False), "model.route_scale": (0.0, math.inf, False)}
@@ -105,6 +111,14 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: str = r".*attn/(q|v)"
+  # the frozen base's layer weights in int8, a scale per output channel (QLoRA-style; model/lora.py);
+  # 0 = the base's own dtype
+  lora_base_bits: int = 0
+  # The architecture, one of ARCHS: "encoder" is BERT's (post-LayerNorm blocks with biases, GELU
+  # MLP, embedding LayerNorm, masked-LM head; jaxtrain/model/encoder.py), for train.task=mlm
+  arch: str = "decoder"
+  positions: str = "rope"  # encoder: one of POSITIONS (learned: max_seq_len embeddings, as BERT)
+  type_vocab_size: int = 2  # encoder: token-type (sentence A/B) embeddings, as BERT; 0 = none
 
   @property
   def expert_d_ff(self) -> int:
@@ -116,8 +130,67 @@ class ModelConfig:
     return cls(**{f.name: m[f.name] for f in dataclasses.fields(cls) if f.name in m})
 
 
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """The `model.vision` sub-section: the image encoder of train.task=vlm (jaxtrain/model/vision.py),
+  a ViT over image_size^2 images cut into (image_size / patch_size)^2 patches, each of which takes
+  the place of one `image_token` in the text."""
+  image_size: int = 16  # square images, pixels a side
+  patch_size: int = 4  # square patches, pixels a side; image_size divisible by it
+  channels: int = 3
+  d_model: int = 64  # the encoder's width (its MLP 4x); the projector maps it to model.d_model
+  n_layers: int = 2
+  n_heads: int = 4
+  image_token: int = -1  # the placeholder id; -1: model.vocab_size - 1
+  freeze: bool = False  # the encoder's params get no updates (held in the task state)
+
+  @property
+  def patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
+
+  @classmethod
+  def from_config(cls, v) -> "VisionConfig":
+    return cls(**{f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v})
+
+
 def model_defaults() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+  c = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+  c.vision = ml_collections.ConfigDict(dataclasses.asdict(VisionConfig()))
+  return c
+
+
+def image_token(m) -> int:
+  """The placeholder id of the model section `m`: model.vision.image_token, -1: the last id."""
+  return m.vision.image_token if m.vision.image_token >= 0 else m.vocab_size - 1
+
+
+def validate_vision(cfg, shape) -> None:
+  """train.task=vlm: the dense decoder without stages or context, full logits, and an encoder
+  whose patches tile the image and whose heads divide its width; a placeholder in the vocabulary."""
+  m, v = cfg.model, cfg.model.vision
+  if cfg.train.task != "vlm":
+    return
+  for key in ("image_size", "patch_size", "channels", "d_model", "n_layers", "n_heads"):
+    if v[key] <= 0:
+      raise ConfigError(f"model.vision.{key} must be positive, got {v[key]}")
+  if v.image_size % v.patch_size:
+    raise ConfigError(f"model.vision.image_size={v.image_size} is not divisible by "
+                      f"model.vision.patch_size={v.patch_size}")
+  if v.d_model % v.n_heads:
+    raise ConfigError(f"model.vision.d_model={v.d_model} is not divisible by "
+                      f"model.vision.n_heads={v.n_heads}")
+  if not -1 <= v.image_token < m.vocab_size:
+    raise ConfigError(f"model.vision.image_token={v.image_token} is not in the vocabulary "
+                      f"(-1 = model.vocab_size - 1 = {m.vocab_size - 1})")
+  if m.n_experts or shape["stage"] > 1 or shape["context"] > 1:
+    raise ConfigError("train.task=vlm runs a dense decoder without pipeline stages or context "
+                      "parallelism (model.n_experts 0, mesh.stage and mesh.context 1)")
+  if cfg.train.cross_entropy != "full":
+    raise ConfigError(f"train.cross_entropy={cfg.train.cross_entropy!r}: train.task=vlm computes "
+                      "its logits in full")
+  if cfg.eval.tasks:
+    raise ConfigError("eval.tasks score text alone: not run on train.task=vlm (its eval_accuracy "
+                      "is the held-out rows')")
 
 
 def validate_model(cfg, shape) -> None:
@@ -147,6 +220,34 @@ def validate_model(cfg, shape) -> None:
   validate_rope(m)
   check_floats("model", m, RANGES)
   validate_lora(cfg)
+  validate_arch(cfg, shape)
+  validate_vision(cfg, shape)
+
+
+def validate_arch(cfg, shape) -> None:
+  """model.arch and model.positions: the encoder takes what its module implements, one line for
+  each decoder-only feature; the decoder has rotary positions only."""
+  m = cfg.model
+  check_choice("model.arch", m.arch, ARCHS)
+  check_choice("model.positions", m.positions, POSITIONS)
+  if m.arch == "decoder":
+    if m.positions != "rope":
+      raise ConfigError(f"model.positions={m.positions!r}: the decoder has rotary positions only "
+                        "(learned positions are the encoder's: model.arch=encoder)")
+    return
+  if m.type_vocab_size < 0:
+    raise ConfigError(f"model.type_vocab_size must be >= 0, got {m.type_vocab_size}")
+  if m.attention not in ENCODER_ATTENTION:
+    raise ConfigError(f"model.attention={m.attention!r}: the encoder runs "
+                      f"{', '.join(ENCODER_ATTENTION)} (no kernel is checked bidirectional yet)")
+  off = {"n_experts": 0, "fused_norm": "off", "fp8": "off", "lora_rank": 0}
+  for key, want in off.items():
+    if m[key] != want:
+      raise ConfigError(f"model.{key}={m[key]!r} is the decoder's; model.arch=encoder needs "
+                        f"{want!r}")
+  if shape["stage"] > 1 or shape["context"] > 1:
+    raise ConfigError("model.arch=encoder runs without pipeline stages or context parallelism "
+                      "(mesh.stage and mesh.context 1)")
 
 
 # tasks run with LoRA (the reward model's loss on a fresh head is not tested with it yet)
@@ -154,12 +255,18 @@ LORA_TASKS = ("lm", "sft", "dpo", "grpo", "ppo")
 
 
 def validate_lora(cfg) -> None:
-  """model.lora_*: a rank >= 0; with a rank, a base (checkpoint.init_from), a task of LORA_TASKS, a
-  positive alpha and a pattern that compiles (one matching no weight: at build, core/lora.py)."""
+  """model.lora_*: a rank >= 0, base bits 0 or 8 (only with a rank); with a rank, a base
+  (checkpoint.init_from), a task of LORA_TASKS, a positive alpha and a pattern that compiles (one matching no weight: at build, core/lora.py)."""
   m = cfg.model
   if m.lora_rank < 0:
     raise ConfigError(f"model.lora_rank must be >= 0 (0 = off), got {m.lora_rank}")
+  if m.lora_base_bits not in (0, 8):
+    raise ConfigError(f"model.lora_base_bits must be 0 (the base's dtype) or 8 (int8), got "
+                      f"{m.lora_base_bits!r}")
   if not m.lora_rank:
+    if m.lora_base_bits:
+      raise ConfigError("model.lora_base_bits=8 quantizes a LoRA run's frozen base: set "
+                        "model.lora_rank > 0")
     return
   if not cfg.checkpoint.init_from:
     raise ConfigError("model.lora_rank > 0 trains adapters of a base: set checkpoint.init_from")

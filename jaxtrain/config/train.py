@@ -43,15 +43,28 @@ def train_defaults() -> ml_collections.ConfigDict:
   t.cross_entropy = "full"  # one of CROSS_ENTROPY
   t.ce_token_chunk = 1024  # chunked: tokens per tile
   t.ce_vocab_chunk = 8192  # chunked: vocabulary columns per tile
+  # JAX's persistent compilation cache (jaxtrain/train/restart.py): "workdir" = WORKDIR/jax_cache
+  # unless JAX_COMPILATION_CACHE_DIR is set, a directory, or "" (jax's own setting): a restart
+  # loads the compiled step instead of compiling it
+  t.compilation_cache = "workdir"
   # multi-process: a peer silent this long is lost; the others exit status 6
   t.peer_timeout_s = 60.0
+  # fault injection (tools/soak.py): the steps (comma-separated) whose batch is NaN-poisoned (its
+  # float arrays, e.g. the loss mask), which the non-finite update check must skip; "" = none
+  t.nan_steps = ""
   # price of one GPU-hour (one host-hour on CPU): cost per million tokens; 0 = not shown
   t.gpu_hour_price = 0.0
   # one of OFFLOAD; TPU and GPU only (the CPU backend executes no memory kinds: refused there)
   t.offload = "none"
-  # one of jaxtrain/builder.py TASKS: lm (pre-training), sft, rm (reward model), dpo, grpo, ppo
-  # (jaxtrain/posttrain)
+  # one of jaxtrain/builder.py TASKS: lm (pre-training), mlm (masked-LM pre-training of the
+  # encoder), vlm (image-text: jaxtrain/core/vlm.py, model.vision), sft, rm (reward model), dpo,
+  # grpo, ppo (jaxtrain/posttrain)
   t.task = "lm"
+  # train.task=mlm (jaxtrain/core/mlm.py): BERT's masking, mask_prob of the tokens predicted (of
+  # those 80% become mask_token, 10% a random token, 10% stay); mask_token -1: model.vocab_size - 1,
+  # an id the synthetic and byte data never emit
+  t.mask_prob = 0.15
+  t.mask_token = -1
   return t
 
 
@@ -73,6 +86,9 @@ def validate_train(cfg, shape) -> None:
       continue
     if isinstance(t[key], str) or t[key] <= 0:
       raise ConfigError(f"train.{key} must be positive{' or auto' if auto else ''}, got {t[key]!r}")
+  if not isinstance(t.compilation_cache, str):
+    raise ConfigError(f"train.compilation_cache must be 'workdir', a directory or '' (jax's own "
+                      f"setting), got {t.compilation_cache!r}")
   if t.gpu_hour_price < 0:
     raise ConfigError(f"train.gpu_hour_price must be >= 0 (0 = no cost estimate), got "
                       f"{t.gpu_hour_price}")
@@ -84,3 +100,35 @@ def validate_train(cfg, shape) -> None:
         f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) "
         f"over the {data_ways} data-parallel devices (replica*data*fsdp*expert)")
   check_floats("train", t, RANGES)
+  nan_steps(t)
+  validate_mlm(cfg)
+
+
+def nan_steps(t) -> frozenset:
+  """train.nan_steps as a set of steps (one ConfigError line when it is not a list of them)."""
+  try:
+    steps = frozenset(int(s) for s in t.nan_steps.split(",") if s.strip())
+  except (AttributeError, ValueError):
+    steps = None
+  if steps is None or any(s < 1 for s in steps):
+    raise ConfigError(f"train.nan_steps must be comma-separated steps >= 1, got {t.nan_steps!r}")
+  return steps
+
+
+def validate_mlm(cfg) -> None:
+  """train.task=mlm: the encoder (model.arch), its full logits, a mask probability in (0, 1) and a
+  mask token in the vocabulary."""
+  t, m = cfg.train, cfg.model
+  if (t.task == "mlm") != (m.arch == "encoder"):
+    raise ConfigError(f"train.task={t.task!r} with model.arch={m.arch!r}: masked-LM pre-training "
+                      "(mlm) trains the encoder, every other task the decoder")
+  if t.task != "mlm":
+    return
+  if t.cross_entropy != "full":
+    raise ConfigError(f"train.cross_entropy={t.cross_entropy!r}: the masked-LM head (transform, "
+                      "tied decoder and bias) computes its logits in full")
+  if not 0 < t.mask_prob < 1:
+    raise ConfigError(f"train.mask_prob must be in (0, 1), got {t.mask_prob}")
+  if not -1 <= t.mask_token < m.vocab_size:
+    raise ConfigError(f"train.mask_token={t.mask_token} is not in the vocabulary "
+                      f"(-1 = model.vocab_size - 1 = {m.vocab_size - 1})")

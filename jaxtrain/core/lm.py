@@ -64,6 +64,21 @@ def update_expert_bias(extra: dict, load_ZE, rate: float) -> dict:
   return {**extra, "moe_state": jax.tree.unflatten(treedef, [bias])}
 
 
+def prepare_text(cfg, workdir: str, progress: bool) -> None:
+  """kind "text": tokenizer and token caches, made once by process 0; the others wait, then reuse
+  them."""
+  if cfg.data.kind != "text":
+    return
+  index, count = process_rows()
+  if index == 0:
+    data.prepare_corpus(cfg, workdir, progress)
+  if count > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("jaxtrain_prepare")
+    if index != 0:
+      data.prepare_corpus(cfg, workdir, progress=False)  # finds and reuses the caches
+
+
 class LanguageModel(Task):
   """Next-token prediction on `cfg.data` with the decoder of `cfg.model`; batches [B, L] from
   jaxtrain.data (synthetic, bytes, or a prepared text corpus in `workdir`)."""
@@ -155,18 +170,7 @@ class LanguageModel(Task):
     return data.make_iterator(self.cfg, split, lo, hi, self.workdir, index, count)
 
   def prepare(self, progress):
-    """kind "text": tokenizer and token caches, made once by process 0; the others wait, then reuse
-    them."""
-    if self.cfg.data.kind != "text":
-      return
-    index, count = process_rows()
-    if index == 0:
-      data.prepare_corpus(self.cfg, self.workdir, progress)
-    if count > 1:
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices("jaxtrain_prepare")
-      if index != 0:
-        data.prepare_corpus(self.cfg, self.workdir, progress=False)  # finds and reuses the caches
+    prepare_text(self.cfg, self.workdir, progress)
 
   def constants(self):
     if self.cfg.data.kind != "synthetic":

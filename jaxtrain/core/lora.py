@@ -6,7 +6,11 @@ step the run started from (task_state[BASE_STEP], checkpointed: a base run that 
 newer step, changes nothing for a resumed LoRA run).
 
 The loss merges base and adapters (W + alpha / r * A @ B) and calls the inner task's loss on the
-full weights. Params that the inner task does not load from checkpoint.init_from (PPO's value head)
+full weights. With model.lora_base_bits=8 the base's layer weights are held in int8 with a scale
+per output channel (model/lora.py `Int8`; QLoRA-style): a quarter of a float32 base's bytes, kept
+in the state, requantized from the source at every refill, and dequantized in the step before the
+merge; the adapters are trained against the dequantized base, which is then the model's base (the
+reference too, and what load_params merges into). Params that the inner task does not load from checkpoint.init_from (PPO's value head)
 are trained in full beside the adapters. A task's frozen reference (task_state["reference"]: DPO,
 GRPO, PPO) is the base itself, with no second copy.
 """
@@ -55,9 +59,8 @@ def refill(state, shardings, load):
   def fill(node, sharding):
     if not isinstance(node, Frozen):
       return node
-    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        node.tree, sharding.tree)
-    return Frozen(load(node.source, like, step), node.source)
+    loaded = load(node.source, lora_lib.float_like(node.tree, sharding.tree), step)
+    return Frozen(lora_lib.requantize(node.tree, loaded, sharding.tree), node.source)
   return jax.tree.map(fill, state, shardings, is_leaf=frozen)
 
 
@@ -76,6 +79,7 @@ class Lora(Task):
     """`newest(path) -> int`: the newest step of a run (builder's; read when the base is loaded)."""
     self.inner, m, self.newest = inner, cfg.model, newest
     self.rank, self.alpha, self.source = m.lora_rank, m.lora_alpha, cfg.checkpoint.init_from
+    self.base_bits = m.lora_base_bits
     self.batch_size, self.tokens_per_batch = inner.batch_size, inner.tokens_per_batch
     self.flops_per_token = inner.flops_per_token
     params, _, task_state = jax.eval_shape(lambda: inner.init(jax.random.key(0)))
@@ -97,6 +101,7 @@ class Lora(Task):
     base, new = self.split(params)
     adapters = lora_lib.init(jax.random.fold_in(rng, 1), base, self.names, self.rank)
     rest = {k: v for k, v in task_state.items() if k != "reference"}
+    base = lora_lib.quantize(base) if self.base_bits else base
     return {**adapters, **new}, extra, {**rest, BASE: Frozen(base, self.source),
                                         BASE_STEP: jnp.zeros((), jnp.int32)}
 
@@ -104,13 +109,15 @@ class Lora(Task):
     """The base from the checkpoint (its newest step, then kept in BASE_STEP); the adapters keep
     their init (B = 0: the base's model)."""
     step = self.newest(self.source)
-    base = load(task_state[BASE].tree, step)
+    tree = task_state[BASE].tree
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+    base = lora_lib.requantize(tree, load(lora_lib.float_like(tree, shardings), step), shardings)
     return params, {**task_state, BASE: Frozen(base, self.source),
                     BASE_STEP: jnp.full((), step, jnp.int32)}
 
   def merged(self, params, task_state):
     """(full params, the inner task's state): base + adapters, the base as the reference."""
-    base = task_state[BASE].tree
+    base = lora_lib.dequantize(task_state[BASE].tree)
     inner = {k: v for k, v in task_state.items() if k not in (BASE, BASE_STEP)}
     if self.reference:
       inner["reference"] = base

@@ -127,7 +127,7 @@ class TextPipeline:
     # Stop the prefetch thread when the pipeline is dropped or at exit: a daemon thread still
     # running at interpreter shutdown aborts the process ("terminate called without an active
     # exception").
-    self.close = weakref.finalize(self, _close, self._its)
+    self.close = weakref.finalize(self, close_iterators, self._its)
 
   def _stream(self, paths, cuts, weights, seed, split, bases) -> grain.MapDataset:
     """The infinite mixed stream of pieces of the split, each cache reshuffled every epoch."""
@@ -178,7 +178,7 @@ class TextPipeline:
     self._its[0].set_state(state["grain"])
 
 
-def _close(its: list):
+def close_iterators(its: list):
   """Closes the iterator and drops it while grain's modules are still loaded
   (its __del__ closes again)."""
   if its:

@@ -21,8 +21,9 @@ def add_parser(sub) -> None:
   p.add_argument("--tasks", required=True, metavar="A.jsonl,B.jsonl",
                  help="comma-separated task files")
   p.add_argument("--limit", type=int, default=None, metavar="N", help="the first N docs of each")
-  p.add_argument("--num_fewshot", type=int, default=0, metavar="K",
-                 help="solved examples before each multiple-choice doc")
+  p.add_argument("--num_fewshot", type=int, default=None, metavar="K",
+                 help="solved examples before each doc (default: each task's own, a task "
+                      "YAML's num_fewshot, else 0)")
   p.add_argument("--seed", type=int, default=0, help="the few-shot draw's seed")
   p.add_argument("--out", default=None, metavar="FILE",
                  help=f"write the results here (default: WORKDIR/{RESULTS}; none for --from_hf)")

@@ -24,6 +24,9 @@ def load_model(path: str):
     except ValueError as e:  # no BOS/EOS tokens
       raise config_lib.ConfigError(str(e)) from None
   cfg, params, extra = pretrained.read_step(path)
+  if cfg.train.task == "vlm":
+    raise config_lib.ConfigError(f"{path}: evaluate scores text alone; a vlm run answers about "
+                                 "images (its eval_accuracy is in metrics.jsonl)")
   return ModelConfig.from_config(cfg.model), params, extra, sampling.load_tokenizer(cfg, path)
 
 
@@ -35,17 +38,21 @@ def model_config(config) -> ModelConfig:
 
 
 def evaluate(params_or_workdir, tasks, *, config=None, tokenizer=None, extra=None,
-             num_fewshot: int = 0, seed: int = 0, limit: int | None = None, rows: int = 8,
+             num_fewshot: int | None = None, seed: int = 0, limit: int | None = None, rows: int = 8,
              seq_len: int | None = None, mesh=None, mesh_rules: str = "fsdp") -> dict:
   """{task name: {metric: value}} for task files (paths or tasks.Task) scored by the model of a
-  workdir / HF directory, or by `params` with `config` (a ModelConfig or config) and `tokenizer`."""
+  workdir / HF directory, or by `params` with `config` (a ModelConfig or config) and `tokenizer`.
+  num_fewshot None: each task's own (a task YAML's num_fewshot, else 0)."""
   if isinstance(params_or_workdir, (str, os.PathLike)):
     model_cfg, params, extra, tokenizer = load_model(os.fspath(params_or_workdir))
   else:
     if config is None or tokenizer is None:
       raise config_lib.ConfigError("evaluate(params, ...) needs config= and tokenizer=")
     model_cfg, params = model_config(config), params_or_workdir
-  if num_fewshot < 0 or (limit is not None and limit < 1):
+  if model_cfg.arch == "encoder":
+    raise config_lib.ConfigError("evaluate scores a decoder's log-likelihoods; this model is a "
+                                 "masked-LM encoder (model.arch=encoder)")
+  if (num_fewshot is not None and num_fewshot < 0) or (limit is not None and limit < 1):
     raise config_lib.ConfigError(
         f"evaluate: num_fewshot={num_fewshot} must be >= 0 and limit={limit} >= 1")
   loaded = tasks_lib.load_tasks([tasks] if isinstance(tasks, (str, os.PathLike)) else tasks,

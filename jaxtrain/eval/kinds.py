@@ -118,6 +118,10 @@ class Task:
   target_delimiter: str = " "
   fewshot_delimiter: str = "\n\n"
   options: dict = dataclasses.field(default_factory=dict)
+  num_fewshot: int = 0  # the task's own few-shot count: used when the caller names none
+  sampler: str = "default"  # "default": drawn by seed; "first_n": the pool's first, in order
+  # whether a doc drawn as its own few-shot example is dropped (None: when the pool is the docs)
+  exclude_doc: bool | None = None
 
 
 def read_jsonl(path: str) -> list[tuple[int, object]]:

@@ -46,7 +46,8 @@ class InLoopEval:
     e = cfg.eval
     self.tasks = tasks_lib.load_tasks(eval_config.task_paths(cfg), "eval.tasks")
     self.tokenizer = sampling.load_tokenizer(cfg, workdir)
-    self.limit, self.num_fewshot, self.seed = e.limit or None, e.num_fewshot, e.seed
+    self.limit, self.seed = e.limit or None, e.seed
+    self.num_fewshot = None if e.num_fewshot == -1 else e.num_fewshot  # None: each task's own
     self.logged = logged_steps(workdir, [t.name for t in self.tasks])
     # rows and seq_len as jaxtrain.evaluate's defaults: the same packing, so the same numbers
     self.scorer = score.Scorer(ModelConfig.from_config(cfg.model), state.params, state.extra,

@@ -1,9 +1,13 @@
 """Log-likelihood of continuations given contexts, the scoring core of evaluation
 (lm-evaluation-harness's `loglikelihood` and `loglikelihood_rolling`).
 
-Requests are packed into fixed [rows, seq_len] batches with segment ids and per-document positions,
-as training packs documents (Levanter's eval_harness): one compiled program for every batch, and
-attention never crosses requests. A request whose context + continuation does not fit is cut from
+Requests are packed into [rows, length] batches with segment ids and per-document positions, as
+training packs documents (Levanter's eval_harness), and attention never crosses requests. A call's
+row length is a power of two (at most seq_len, at least its longest request) chosen for the fewest
+FLOPs: its packed rows' slots times the forward FLOPs per slot at that length (rows of a length
+short requests fill well, without attention over the model's whole length); a batch has rows *
+seq_len / length rows, so that every batch holds the same number of tokens (one compiled program
+per length). A request whose context + continuation does not fit is cut from
 the left of its context (counted in `Score.truncated`), as the harness does.
 """
 
@@ -16,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain import config as config_lib, parallel
+from jaxtrain import config as config_lib, metrics, parallel
 from jaxtrain.model import ModelConfig, Transformer
 
 
@@ -121,9 +125,49 @@ def host_values(arrays):
   return multihost_utils.process_allgather(arrays, tiled=True)
 
 
+MIN_ROW_LEN = 16  # the shortest packed row: fewer programs to compile for very short requests
+PACKING_SAMPLE = 512  # requests whose first-fit packing estimates a row length's rows
+
+
+def rows_at(length: int, rows: int, seq_len: int) -> int:
+  """A batch's rows at row `length`: rows * seq_len tokens, a multiple of `rows` (so that they
+  still divide over the data axes)."""
+  return rows * max(1, seq_len // length)
+
+
+def packed_rows(lengths_desc: list[int], length: int) -> int:
+  """Rows that first-fit decreasing packing fills with requests of these input lengths (longest
+  first), estimated on at most PACKING_SAMPLE of them, evenly spaced."""
+  step = -(-len(lengths_desc) // PACKING_SAMPLE) or 1
+  free = []  # room left in each row
+  for n in lengths_desc[::step]:
+    row = next((i for i, f in enumerate(free) if n <= f), None)
+    if row is None:
+      free.append(length - n)
+    else:
+      free[row] -= n
+  return len(free) * step
+
+
+def row_length(lengths: list[int], rows: int, seq_len: int, flops_per_token) -> int:
+  """The power-of-two row length (MIN_ROW_LEN to seq_len, at least the longest request's inputs)
+  with the fewest forward FLOPs for these requests: whole batches of packed rows, times
+  `flops_per_token(length)` (attention grows with the length)."""
+  lengths_desc = sorted(lengths, reverse=True)
+  longest = lengths_desc[0] if lengths_desc else 1
+  candidates = sorted({min(seq_len, max(MIN_ROW_LEN, 1 << k))
+                       for k in range(max(longest - 1, 0).bit_length(), seq_len.bit_length() + 1)})
+  def cost(length):
+    per_batch = rows_at(length, rows, seq_len)
+    batches = -(-packed_rows(lengths_desc, length) // per_batch)
+    return batches * per_batch * length * flops_per_token(length)
+  return min(candidates, key=cost)
+
+
 class Scorer:
   """Scores requests with one model: `loglikelihood(requests) -> [Score]`, batches of `rows` rows of
-  `seq_len` (default the model's max_seq_len) compiled once. With a `mesh`, rows lie over its data
+  `seq_len` tokens (default the model's max_seq_len), or more, shorter rows for short requests
+  (row_shape), each shape compiled once. With a `mesh`, rows lie over its data
   axes and the params as `mesh_rules` (config.RULES) shards them; without one, on one device."""
 
   def __init__(self, model_cfg: ModelConfig, params, extra=None, rows: int = 8,
@@ -145,6 +189,13 @@ class Scorer:
       self.extra = jax.device_put(extra, NamedSharding(mesh, P()))
     self._step = jax.jit(functools.partial(token_scores, self.model))
 
+  def _flops_per_token(self, length: int) -> float:
+    """A packed slot's forward matmul FLOPs at row `length` (the dense formula: enough to rank
+    row lengths)."""
+    m = self.model.cfg
+    return metrics.train_flops_per_token(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads,
+                                         m.head_dim, m.d_ff, m.vocab_size, length) / 3
+
   def _param_shardings(self, mesh, mesh_rules: str):
     """The params' shardings from the model's logical axis names."""
     boxed = jax.eval_shape(self.model.init, jax.random.key(0),
@@ -165,9 +216,12 @@ class Scorer:
     if top >= self.model.cfg.vocab_size:
       raise config_lib.ConfigError(f"token id {top} is outside the model's vocabulary "
                                    f"(vocab_size={self.model.cfg.vocab_size}): another tokenizer?")
+    lengths = [len(r.context) - cut + len(r.continuation) - 1 for r, cut in zip(requests, cuts)]
+    length = row_length(lengths, self.rows, self.seq_len, self._flops_per_token)
+    rows = rows_at(length, self.rows, self.seq_len)
     out = [None] * len(requests)
     pending = None  # dispatch batch n, then read batch n-1
-    for batch, spans in [*pack(requests, self.rows, self.seq_len), (None, None)]:
+    for batch, spans in [*pack(requests, rows, length), (None, None)]:
       running = (self._run(batch), spans) if batch is not None else None
       if pending is not None:
         (logprob_BL, greedy_BL), done = host_values(pending[0]), pending[1]

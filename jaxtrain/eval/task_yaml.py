@@ -6,8 +6,11 @@ string a Jinja2 template (lm-eval's environment: StrictUndefined, keep_trailing_
 doc_to_choice template renders a Python list literal, a doc_to_target an int index into the choices
 or a choice. output_type multiple_choice -> multiple_choice, loglikelihood_rolling -> perplexity
 (its text is doc_to_target, as lm-eval's), generate_until -> generate. Docs come from test_split,
-else validation_split; few-shot examples from fewshot_split, else training_split, else the docs
-themselves. Anything else (!function, process_docs, a remote dataset_path, filter_list, ...) is one
+else validation_split; few-shot examples from fewshot_split, else training_split, else
+validation_split, else the test docs, a doc dropped from its own examples only where fewshot_split
+equals test_split (lm-eval's rule); `num_fewshot` is the task's own count (a caller's num_fewshot
+overrides it), `description` (a field or template) goes before each doc's examples, and
+`fewshot_config: {sampler: default | first_n}` picks how examples are drawn. Anything else (!function, process_docs, a remote dataset_path, filter_list, ...) is one
 ConfigError line naming the file, line and key; nothing is downloaded. Without jinja2 installed,
 templates may only substitute fields ("{{question}}")."""
 
@@ -27,11 +30,11 @@ SPLITS = ("test_split", "validation_split", "training_split", "fewshot_split")
 # read; ignored (names, bookkeeping); accepted only at the value lm-eval would make a no-op
 READ = ("dataset_path", "dataset_kwargs", "output_type", "doc_to_text", "doc_to_target",
         "doc_to_choice", "target_delimiter", "fewshot_delimiter", "generation_kwargs",
-        "metric_list", *SPLITS)
+        "metric_list", "num_fewshot", "description", "fewshot_config", *SPLITS)
 IGNORED = ("task", "task_alias", "tag", "group", "metadata", "dataset_name",
            "should_decontaminate", "doc_to_decontamination_query")
-NO_OP = {"num_fewshot": (0, "pass num_fewshot to evaluate (--num_fewshot) instead"),
-         "description": ("", "put it in doc_to_text"), "repeats": (1, "")}
+NO_OP = {"repeats": (1, "")}
+SAMPLERS = ("default", "first_n")
 GENERATION_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
 
 
@@ -82,6 +85,16 @@ def _check_keys(path: str, cfg: dict, lines: dict) -> None:
       raise err(f"only {NO_OP[key][0]!r} is supported, got {value!r}; {NO_OP[key][1]}")
     if key not in READ + IGNORED + tuple(NO_OP):
       raise err(f"not supported (jaxtrain reads {', '.join(READ)})")
+  shots = cfg.get("num_fewshot", 0)
+  if isinstance(shots, bool) or not isinstance(shots, int) or shots < 0:
+    raise kinds.error(path, lines.get("num_fewshot", 1),
+                      f"'num_fewshot' must be an integer >= 0, got {shots!r}")
+  fewshot_cfg = cfg.get("fewshot_config") or {}
+  if not isinstance(fewshot_cfg, dict) or set(fewshot_cfg) - {"sampler"} or \
+      fewshot_cfg.get("sampler", "default") not in SAMPLERS:
+    raise kinds.error(path, lines.get("fewshot_config", 1),
+                      f"'fewshot_config': only {{sampler: {' | '.join(SAMPLERS)}}} is supported, "
+                      f"got {fewshot_cfg!r}")
   if cfg.get("dataset_path") != "json":
     raise kinds.error(path, lines.get("dataset_path", 1),
                       f"'dataset_path': {cfg.get('dataset_path')!r} is not local: jaxtrain reads "
@@ -153,7 +166,7 @@ def _converter(path: str, cfg: dict, lines: dict, kind: str, features: set):
   spec = lambda key: (_field_or_template(path, lines, key, cfg[key], features) if key in cfg
                       else None)
   text, target = spec("doc_to_text"), spec("doc_to_target")
-  choices = spec("doc_to_choice")
+  choices, description = spec("doc_to_choice"), spec("description")
   if target is None or (text is None and kind != "perplexity"):
     raise kinds.error(path, 1, f"output_type {cfg.get('output_type')} needs 'doc_to_target'"
                                + ("" if kind == "perplexity" else " and 'doc_to_text'"))
@@ -170,6 +183,8 @@ def _converter(path: str, cfg: dict, lines: dict, kind: str, features: set):
           raise where(f"doc_to_text gives {context!r}, not a string (lm-eval's multiple inputs "
                       "are not supported)")
         record["context"] = context
+      if description is not None:
+        record["description"] = str(description(doc)[0] or "")
       gold, rendered = target(doc)
       options = None
       if choices is not None:
@@ -269,7 +284,8 @@ def load_task(path: str):
   split = cfg.get("test_split", cfg.get("validation_split"))
   if split is None:
     raise kinds.error(path, 1, "needs 'test_split' or 'validation_split'")
-  shots = cfg.get("fewshot_split", cfg.get("training_split", split))
+  shots = next(cfg[k] for k in ("fewshot_split", "training_split", "validation_split", "test_split")
+               if cfg.get(k) is not None)
   features = {k for f in files[split] for _, doc in kinds.read_jsonl(f) if isinstance(doc, dict)
               for k in doc}
   convert = _converter(path, cfg, lines, kind, features)
@@ -277,7 +293,9 @@ def load_task(path: str):
   docs = _docs(path, files[split], convert, kind)
   if not docs:
     raise config_lib.ConfigError(f"{path}: split {split!r} has no records")
-  fewshot = None if shots == split else _docs(path, files[shots], convert, kind)
+  fewshot = docs if shots == split else _docs(path, files[shots], convert, kind)
   name = cfg.get("task") or os.path.splitext(os.path.basename(path))[0]
   return kinds.Task(str(name), path, kind, docs, fewshot, cfg.get("target_delimiter", " "),
-                    cfg.get("fewshot_delimiter", "\n\n"), options)
+                    cfg.get("fewshot_delimiter", "\n\n"), options, cfg.get("num_fewshot", 0),
+                    (cfg.get("fewshot_config") or {}).get("sampler", "default"),
+                    cfg.get("fewshot_split") == cfg.get("test_split"))

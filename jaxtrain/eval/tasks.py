@@ -97,24 +97,36 @@ def load_task(path: str) -> Task:
               {k: v for k, v in header.items() if k in OPTIONS})
 
 
-def fewshot_contexts(task: Task, num_fewshot: int, seed: int) -> list[str]:
-  """Each doc's context after `num_fewshot` solved examples (text, target delimiter, gold choice),
-  drawn from the few-shot file or else the task's other docs by one random.Random(seed) in doc
-  order (lm-eval's sampler: n + 1 drawn, the doc itself dropped), joined by fewshot_delimiter."""
-  if num_fewshot == 0:
-    return [d["context"] for d in task.docs]
+def fewshot_contexts(task: Task, num_fewshot: int | None, seed: int) -> list[str]:
+  """Each doc's context: its description (a YAML task's), then `num_fewshot` solved examples (text,
+  target delimiter, gold choice; None: the task's own count), each followed by fewshot_delimiter,
+  then the doc's text, as lm-evaluation-harness builds it (ConfigurableTask.fewshot_context). The
+  examples come from the few-shot pool (a few-shot file or split, else the docs themselves): the
+  first n in order (sampler first_n), or drawn by one random.Random(seed) doc after doc (lm-eval's
+  ContextSampler: n drawn, or n + 1 and the doc itself dropped where the pool holds it)."""
+  n = task.num_fewshot if num_fewshot is None else num_fewshot
+  described = lambda doc: doc.get("description", "")
+  if n == 0:
+    return [described(d) + d["context"] for d in task.docs]
   pool = task.fewshot_docs if task.fewshot_docs is not None else task.docs
-  own = task.fewshot_docs is None
-  if len(pool) < num_fewshot + own:
+  own = task.fewshot_docs is None if task.exclude_doc is None else task.exclude_doc
+  if len(pool) < n + own:
     raise config_lib.ConfigError(
-        f"{task.path}: num_fewshot={num_fewshot} needs {num_fewshot + own} few-shot docs, "
-        f"has {len(pool)}")
+        f"{task.path}: num_fewshot={n} needs {n + own} few-shot docs, has {len(pool)}")
   rng, out = random.Random(seed), []
-  for i, doc in enumerate(task.docs):
-    drawn = rng.sample(range(len(pool)), min(num_fewshot + 1, len(pool)))
-    shots = [pool[j] for j in drawn if not (own and j == i)][:num_fewshot]
-    examples = [s["context"] + task.target_delimiter + _target(s) for s in shots]
-    out.append(task.fewshot_delimiter.join([*examples, doc["context"]]))
+  for doc in task.docs:
+    if task.sampler == "first_n":
+      shots = [s for s in pool if not (own and s == doc)][:n]
+    elif own:
+      shots = [pool[j] for j in rng.sample(range(len(pool)), n + 1) if pool[j] != doc][:n]
+      if len(shots) < n:  # the pool holds copies of the doc: draw again without any of them
+        others = [s for s in pool if s != doc]
+        shots = [others[j] for j in rng.sample(range(len(others)), n)]
+    else:
+      shots = [pool[j] for j in rng.sample(range(len(pool)), n)]
+    examples = "".join(s["context"] + task.target_delimiter + _target(s) + task.fewshot_delimiter
+                       for s in shots)
+    out.append(described(doc) + examples + doc["context"])
   return out
 
 
@@ -193,12 +205,14 @@ def perplexity(task: Task, scorer: score.Scorer, tokenizer) -> dict:
           "bits_per_byte": -total / n_bytes / math.log(2), "docs": len(texts)}
 
 
-def run(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: int = 0, seed: int = 0,
+def run(task: Task, scorer: score.Scorer, tokenizer, num_fewshot: int | None = None, seed: int = 0,
         limit: int | None = None) -> dict:
   """The task's metrics on its first `limit` docs (all with None); perplexity, code and dialogue
   tasks take no few-shot examples (num_fewshot ignored, as lm-eval's rolling tasks)."""
-  if limit is not None:
-    task = dataclasses.replace(task, docs=task.docs[:limit])
+  if limit is not None:  # the few-shot pool stays whole, as lm-eval's
+    own = task.fewshot_docs is None if task.exclude_doc is None else task.exclude_doc
+    task = dataclasses.replace(task, docs=task.docs[:limit],
+                               fewshot_docs=task.fewshot_docs or task.docs, exclude_doc=own)
   if task.kind == "perplexity":
     return perplexity(task, scorer, tokenizer)
   if task.kind == "classification":

@@ -110,7 +110,7 @@ def _log_once(message):
   logging.getLogger(__name__).warning(message)
 
 
-def choose(cfg, length, packed, in_order, decode=False, backend=None):
+def choose(cfg, length, packed, in_order, decode=False, backend=None, causal=True):
   """The implementation `attend` runs: `cfg.attention` resolved for this backend, key length and
   batch.
 
@@ -122,9 +122,13 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None):
   than xla in their train steps (benchmarks/RESULTS.md, 2026-12-04); cudnn asked for explicitly
   falls back to xla, said once in the log. splash honours no permuted indices: xla (blockwise from
   CPU_BLOCKWISE_FROM keys). Decoding (queries against the whole KV cache, a few queries at a time,
-  memory-bound) runs xla unless blockwise was asked for: the kernels expect L == S."""
+  memory-bound) runs xla unless blockwise was asked for: the kernels expect L == S. Not `causal`
+  (the encoder, which config refuses anything but auto, xla and blockwise): xla, blockwise from
+  CPU_BLOCKWISE_FROM keys, on every backend (no kernel is checked bidirectional yet)."""
   backend = backend or platform.backend()
   name = cfg.attention
+  if not causal:
+    return name if name != "auto" else "xla" if length < CPU_BLOCKWISE_FROM else "blockwise"
   if name in BACKENDS and backend not in BACKENDS[name]:
     raise ConfigError(
         f"model.attention={name!r} needs a {' or '.join(b.upper() for b in BACKENDS[name])}, "
@@ -180,16 +184,20 @@ def per_shard(implementation, check_vma: bool = True):
 
 
 def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS, cfg,
-           decode=False):
+           decode=False, causal=True):
   """Softmax attention of q [B, L, H, K] over k, v [B, S, G, K] by segment ids and token indices.
 
   Segment ids None: one document per row, no padding; indices None: arange (0..L-1 / 0..S-1).
   Implementation by `choose`; every one equals `kernels/attention/reference.attention` on queries
-  that attend a key."""
+  that attend a key. Not `causal` (a bidirectional encoder): every key of the query's document,
+  given to the implementations as indices that put every key before every query."""
   (b, l), s = q_BLHK.shape[:2], k_BSGK.shape[1]
-  name = choose(cfg, s, packed=q_segment_BL is not None, in_order=q_index_BL is None, decode=decode)
+  name = choose(cfg, s, packed=q_segment_BL is not None, in_order=q_index_BL is None, decode=decode,
+                causal=causal)
   if q_segment_BL is None:
     q_segment_BL, k_segment_BS = jnp.ones((b, l), jnp.int32), jnp.ones((b, s), jnp.int32)
+  if not causal:
+    q_index_BL, k_index_BS = jnp.full((b, l), s, jnp.int32), jnp.zeros((b, s), jnp.int32)
   if q_index_BL is None:
     q_index_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
     k_index_BS = jnp.broadcast_to(jnp.arange(s), (b, s))

@@ -1,4 +1,4 @@
-"""Small building blocks: parameters with logical names, RMSNorm,
+"""Small building blocks: parameters with logical names, RMSNorm, LayerNorm,
 rotary embedding and its scalings."""
 
 import math
@@ -28,6 +28,24 @@ class RMSNorm(nn.Module):
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * scale_D.astype(jnp.float32)).astype(x_BLD.dtype)
+
+
+class LayerNorm(nn.Module):
+  """Layer normalization with scale and bias (Ba et al., 2016), computed in float32 (BERT's)."""
+  eps: float
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    d = x_BLD.shape[-1]
+    scale_D = param(self, "scale", (d,), (axes.EMBED,), self.param_dtype, None)
+    bias_D = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,)),
+                        (d,), self.param_dtype)
+    x = x_BLD.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    x = (x - mean) * jax.lax.rsqrt(var + self.eps)
+    return (x * scale_D.astype(jnp.float32) + bias_D.astype(jnp.float32)).astype(x_BLD.dtype)
 
 
 def _powers(theta: float, k: int):

@@ -15,6 +15,7 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.kernels.rms_norm import ops as rms_norm_ops
 from jaxtrain.model import axes, moe as moe_lib, pipeline
 from jaxtrain.model.attention import Attention
+from jaxtrain.model.encoder import encoder_param_count
 from jaxtrain.model.layers import RMSNorm, param
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp
@@ -150,7 +151,8 @@ class Transformer(nn.Module):
   un-permuted row, which orders attention causally (context parallelism permutes rows); None:
   arange. `return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a
   loss that fuses the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed`
-  or `unembed`).
+  or `unembed`). `overlay_BLD`: embeddings that replace the tokens' where `overlay_BL` is True
+  (model/vision.py's projected image patches).
 
   With the `layers` axis split over a mesh axis (mesh.stage), training passes run the layers as a
   pipeline of `pipeline_microbatches` microbatches (0 = one per stage; jaxtrain/model/pipeline.py);
@@ -163,13 +165,15 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None,
-               return_hidden=False):
+               return_hidden=False, overlay_BLD=None, overlay_BL=None):
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     embed_VD = param(self, "embed", (c.vocab_size, c.d_model), (axes.VOCAB, axes.EMBED),
                      c.param_dtype, c.init_std)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0).astype(c.compute_dtype)
+    if overlay_BLD is not None:  # a VLM's image patches in place of their placeholder tokens
+      x_BLD = jnp.where(overlay_BL[..., None], overlay_BLD.astype(c.compute_dtype), x_BLD)
     x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
     valid_BL = jnp.ones(tokens_BL.shape, bool) if segment_ids_BL is None else segment_ids_BL > 0
     rows_BL = {"positions": positions_BL, "segment_ids": segment_ids_BL, "indices": indices_BL,
@@ -236,7 +240,10 @@ def _mlp_params(c: ModelConfig, active: bool) -> int:
 
 
 def param_count(c: ModelConfig, active: bool = False) -> int:
-  """Parameters by formula (embeddings included, once when tied); `active`: those one token uses."""
+  """Parameters by formula (embeddings included, once when tied); `active`: those one token uses.
+  The encoder's (model.arch=encoder): model/encoder.py."""
+  if c.arch == "encoder":
+    return encoder_param_count(c)
   attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
   per_layer = attn + 2 * c.d_model
   embed = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
@@ -245,4 +252,6 @@ def param_count(c: ModelConfig, active: bool = False) -> int:
 
 def active_mlp_params(c: ModelConfig) -> int:
   """Matmul parameters of the feed-forward layers that each token goes through (FLOP counting)."""
+  if c.arch == "encoder":  # up and down, no gate
+    return c.n_layers * 2 * c.d_model * c.d_ff
   return _mlp_params(c, active=True)

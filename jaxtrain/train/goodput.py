@@ -205,10 +205,9 @@ class EnergyMeter:
       self.sample()  # up to now
 
 
-def nvml_power_reader(local_hardware_ids: list[int]) -> Callable[[], float] | None:
-  """Watts drawn by the boards of these CUDA devices (NVML, `pynvml` from nvidia-ml-py), or None
-  when NVML is not there. CUDA_VISIBLE_DEVICES maps CUDA ordinals to NVML indices when it lists
-  integers."""
+def nvml_handles(local_hardware_ids: list[int]):
+  """(pynvml, NVML handles) of these CUDA devices (`pynvml` from nvidia-ml-py), or None when NVML
+  is not there. CUDA_VISIBLE_DEVICES maps CUDA ordinals to NVML indices when it lists integers."""
   try:
     import pynvml
     pynvml.nvmlInit()
@@ -220,9 +219,17 @@ def nvml_power_reader(local_hardware_ids: list[int]) -> Callable[[], float] | No
   else:
     ids = list(local_hardware_ids)
   try:
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in ids]
+    return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in ids]
   except Exception:
     return None
+
+
+def nvml_power_reader(local_hardware_ids: list[int]) -> Callable[[], float] | None:
+  """Watts drawn by the boards of these CUDA devices (NVML), or None when NVML is not there."""
+  found = nvml_handles(local_hardware_ids)
+  if found is None:
+    return None
+  pynvml, handles = found
   return lambda: sum(pynvml.nvmlDeviceGetPowerUsage(h) for h in handles) / 1e3  # milliwatts
 
 

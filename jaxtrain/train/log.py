@@ -2,6 +2,7 @@
 device), the progress bar, and the constants a row carries (peak FLOP/s, the compiled step's bytes
 per mesh axis)."""
 
+import os
 import time
 from typing import NamedTuple
 
@@ -21,9 +22,11 @@ class Pending(NamedTuple):
   extra: dict  # the evaluation results logged in the same row ({} when none)
 
 
-def peak_flops_total(cfg) -> tuple[float, str]:
-  """Peak FLOP/s of the whole job: per device on accelerators, per host on CPU (shared cores)."""
-  peak, source = metrics_lib.peak_flops(cfg.model.compute_dtype)
+def peak_flops_total(cfg, workdir: str | None = None) -> tuple[float, str]:
+  """Peak FLOP/s of the whole job: per device on accelerators, per host on CPU (shared cores; the
+  probe's result kept in WORKDIR/peak_flops.json for restarts on the same host)."""
+  kept = os.path.join(workdir, "peak_flops.json") if workdir else None
+  peak, source = metrics_lib.peak_flops(cfg.model.compute_dtype, kept)
   units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()
   return peak * units, source
 

@@ -13,14 +13,16 @@ import os
 import time
 
 import jax
+import numpy as np
 import tqdm.auto
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, parallel
 from jaxtrain.builder import (Run, build, compile_steps, init_params, per_replica_metrics,
                               restore_state)
 from jaxtrain.core import state as state_lib
-from jaxtrain.plan import auto
-from jaxtrain.train import goodput as goodput_lib, lock, peers
+from jaxtrain.plan import auto, oom
+from jaxtrain.train import (goodput as goodput_lib, hardware as hardware_lib, lock, peers,
+                            restart)
 from jaxtrain.train.log import Log, Pending, comm_bytes, peak_flops_total, readable
 from jaxtrain.train.preemption import Preemption
 from jaxtrain.train.workdir import check_workdir, write_config
@@ -30,7 +32,8 @@ PROGRESS_INTERVAL_S = 1.0
 
 
 def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
-          sync_every_step: bool = False, start_over: bool = False, evaluator=None) -> dict:
+          sync_every_step: bool = False, start_over: bool = False, evaluator=None,
+          hardware=None) -> dict:
   """Trains `task` (default: the one train.task names) in `workdir`, resuming from its newest
   checkpoint; returns the last logged metrics.
 
@@ -41,18 +44,71 @@ def train(cfg, workdir: str, *, task=None, devices=None, progress: bool = True,
   locked for the run: a second run on it is refused (one line). Multi-process: a lost peer ends
   every survivor with one line and status 6 within ~1.2 x `train.peer_timeout_s`
   (train/peers.py). `evaluator(cfg, workdir, run, state)` -> None or a callback scoring the params
-  between steps (default: eval.tasks' jaxtrain/eval/loop.py from_config)."""
+  between steps (default: eval.tasks' jaxtrain/eval/loop.py from_config). `hardware`: the
+  `train.hardware.Health` read every checkpoint.health_every_steps (default: this host's)."""
+  startup = restart.Startup()  # from the process's creation to the first step: a restart's row
   with peers.watch(cfg.train.peer_timeout_s), lock.hold(workdir):
-    return _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, evaluator)
+    goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
+    devices = jax.devices() if devices is None else devices
+    startup.charge("backend")
+    given = cfg
+    with _out_of_memory(cfg, devices):
+      cfg, auto_row = auto.resolve(cfg, devices)  # batch_size/microbatches=auto: chosen, confirmed
+    rows = [auto_row] if auto_row else []
+    args = (workdir, task, devices, progress, sync_every_step, evaluator, startup, hardware)
+    try:
+      with _out_of_memory(cfg, devices):
+        return _train(cfg, rows, start_over, goodput, *args)
+    except errors.OutOfMemory as e:
+      retry = _oom_retry(given, cfg, len(devices), e)
+      if retry is None:
+        raise
+    # the failed attempt's frames and buffers are gone with its exception
+    with _out_of_memory(retry[0], devices):
+      return _train(retry[0], [retry[1]], False, goodput_lib.Goodput(), *args)
 
 
-def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, evaluator) -> dict:
-  goodput = goodput_lib.Goodput()  # every interval from here on is charged to one of its buckets
-  devices = jax.devices() if devices is None else devices
-  cfg, auto_row = auto.resolve(cfg, devices)  # batch_size/microbatches=auto: chosen, confirmed
+@contextlib.contextmanager
+def _out_of_memory(cfg, devices):
+  """An allocation XLA (or Python) refused becomes errors.OutOfMemory: one line with the planner's
+  advice."""
+  try:
+    yield
+  except (jax.errors.JaxRuntimeError, MemoryError) as e:
+    if not oom.is_out_of_memory(e):
+      raise
+    raise oom.failed(cfg, len(devices), e) from None
+
+
+def _oom_retry(given, cfg, n_devices: int, e: errors.OutOfMemory):
+  """(config, row) of the one retry train.batch_size=auto gets after running out of memory: twice
+  the microbatches (the batch rounded down to a multiple they divide); else None."""
+  if given.train.batch_size != config_lib.AUTO:
+    return None
+  microbatches = 2 * cfg.train.microbatches
+  shape = config_lib.mesh_shape(cfg.mesh, n_devices)
+  step = shape["replica"] * shape["data"] * shape["fsdp"] * shape["expert"] * microbatches
+  retry = auto.with_train(cfg, microbatches=microbatches,
+                          batch_size=cfg.train.batch_size // step * step)
+  try:
+    config_lib.validate(retry, n_devices)
+  except config_lib.ConfigError:
+    return None
+  t = retry.train
+  if jax.process_index() == 0:
+    print(f"{e}; retrying once with train.batch_size={t.batch_size} "
+          f"train.microbatches={t.microbatches}", flush=True)
+  return retry, {"event": "oom_retry", "batch_size": t.batch_size, "microbatches": t.microbatches,
+                 "error": str(e)[:300]}
+
+
+def _train(cfg, rows, start_over, goodput, workdir, task, devices, progress, sync_every_step,
+           evaluator, startup, hardware) -> dict:
+  startup.cache_dir = restart.use_compilation_cache(cfg.train.compilation_cache, workdir)
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
   run = build(cfg, workdir, devices, task)
+  oom.check_host(cfg, len(devices), sum(d.process_index == jax.process_index() for d in devices))
   show = progress and jax.process_index() == 0
 
   with contextlib.ExitStack() as stack:
@@ -70,17 +126,20 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, e
     # ---- sinks and state: the newest complete checkpoint of any tier, or born sharded ----
     writer = metrics_lib.MetricsWriter(workdir, enabled=jax.process_index() == 0)
     stack.callback(writer.close)
-    if auto_row:
-      writer.write(0, auto_row)
-    ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir)
+    for row in rows:  # auto_batch, oom_retry
+      writer.write(0, row)
+    ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, agree=peers.agree)
     stack.callback(ckpts.close)
+    resumed = ckpts.latest()[0] is not None
+    startup.charge("setup")
     state, shardings = start_state(cfg, workdir, run, ckpts, goodput, writer, train_iter)
+    startup.charge("restore")
     goodput.charge("init")
 
     # ---- compile once, with the logical rules and mesh in context ----
     stack.enter_context(parallel.activate(run.mesh, cfg.mesh.rules))
     train_fn, eval_fn = compile_steps(cfg, *run, shardings)
-    peak, peak_source = peak_flops_total(cfg)
+    peak, peak_source = peak_flops_total(cfg, workdir)
     bar = stack.enter_context(tqdm.auto.tqdm(total=cfg.train.steps, initial=int(state.step),
                                              disable=not show, dynamic_ncols=True,
                                              mininterval=PROGRESS_INTERVAL_S))
@@ -93,6 +152,10 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, e
       from jaxtrain.eval import loop as eval_loop
       evaluator = eval_loop.from_config
     loop.tasks = evaluator(cfg, workdir, run, state)
+    loop.hardware = hardware or hardware_lib.Health.of_host(
+        checkpoint.tier_dirs(cfg.checkpoint, workdir),
+        [d.local_hardware_id for d in jax.local_devices()], jax.default_backend() == "gpu")
+    loop.startup = startup if resumed else None
     goodput.charge("init")  # jitting, the peak FLOP/s probe
 
     # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
@@ -109,6 +172,7 @@ def _train(cfg, workdir, task, devices, progress, sync_every_step, start_over, e
       loop.step += 1
       if loop.stop_requested():
         break
+      loop.check_hardware()
       loop.save(is_last)
     loop.read_last()
 
@@ -131,6 +195,16 @@ def open_data(cfg, run: Run, show: bool):
   except (FileNotFoundError, ValueError) as e:
     raise config_lib.ConfigError(str(e)) from e
   return feed, train_iter
+
+
+def poisoned(rows: dict) -> dict:
+  """A batch whose float arrays (the loss mask, ...) are NaN: train.nan_steps's injected fault."""
+  floats = {k: np.full_like(v, np.nan) for k, v in rows.items()
+            if np.issubdtype(np.asarray(v).dtype, np.floating)}
+  if not floats:
+    raise config_lib.ConfigError("train.nan_steps: this task's batches hold no float array to "
+                                 "poison")
+  return {**rows, **floats}
 
 
 def start_state(cfg, workdir: str, run: Run, ckpts, goodput, writer, train_iter):
@@ -186,10 +260,13 @@ class Loop:
     self.log, self.ckpts, self.goodput, self.meta = log, ckpts, goodput, meta
     self.sync_every_step, self.show, self.preemption = sync_every_step, show, None
     self.step = self.start = int(state.step)
+    self.nan_steps = config_lib.nan_steps(cfg.train)  # fault injection: poisoned batches
     self.pending: Pending | None = None
     self.last, self.rollbacks = {}, 0
     self.adaptive = any(tier.adaptive for tier in ckpts.tiers)
     self.tasks = None  # the in-loop task evaluator (train's `evaluator`)
+    self.hardware = None  # train.hardware.Health
+    self.startup = None  # a resumed run's restart.Startup, until its first step
     self.gather = readable(run.mesh, log.per_replica)
 
   def next_batch(self):
@@ -199,6 +276,8 @@ class Loop:
     data_state = self.train_iter.get_state()
     try:
       local = next(self.train_iter)
+      if self.step + 1 in self.nan_steps:
+        local = poisoned(local)
       self.goodput.charge("data")
       s = self.state
       return self.run.task.make_batch(s.params, s.extra, s.task_state, self.feed.put(local),
@@ -214,13 +293,21 @@ class Loop:
     HLO says what the step sends (comm_bytes)."""
     if self.compiled is None:
       self.goodput.charge("step")
+      if self.startup:
+        self.startup.charge("setup")
       self.compiled = self.train_fn.lower(self.state, batch).compile()
       self.log.constants.update(comm_bytes(self.compiled.as_text(), self.run.mesh))
       self.goodput.charge("compile")
+      if self.startup:
+        self.startup.charge("compile")
     self.state, step_metrics = self.compiled(self.state, batch)
     step_metrics = self.gather(step_metrics)
-    if self.sync_every_step:
+    if self.sync_every_step or self.startup:
       jax.block_until_ready(step_metrics)
+    if self.startup:  # a restart's first step has finished: where its time went
+      self.startup.charge("first_step")
+      self.log.event(self.step + 1, self.startup.row())
+      self.startup = None
     return step_metrics
 
   def read_previous(self) -> bool:
@@ -293,6 +380,17 @@ class Loop:
     self.pending = self.pending._replace(due=True)
     self.last["preempted"] = self.preemption.requested
     return True
+
+  def check_hardware(self):
+    """Every checkpoint.health_every_steps: the run's hardware risk (every process's readings), a
+    `hardware_health` row, and the adaptive policies' answer (a shorter interval)."""
+    every = self.cfg.checkpoint.health_every_steps
+    if not every or self.step % every:
+      return
+    row = hardware_lib.read_run(self.hardware, peers.gather)
+    self.log.event(self.step, {"event": "hardware_health", **row})
+    if self.adaptive:
+      self.decisions(self.step, self.ckpts.hardware(self.step, row["risk"], row["why"]))
 
   def save(self, is_last: bool):
     """A save when a tier is due (not at the last step: the end saves), then the finished background

@@ -1,7 +1,8 @@
 """The processes of a multi-process run (jax.distributed): agreement, and the end of a run that lost
 one.
 
-`agree(name, value)`: process 0's value on every process, through jax's distributed key-value store.
+`agree(name, value)`: process 0's value on every process, through jax's distributed key-value store;
+`gather(name, value)`: every process's value on every process, the same way.
 
 `watch(timeout_s)`: a lost peer ends every survivor with one line naming it and exit status 6
 (`errors.PeerLost`) within about 1.2 x `timeout_s` (`train.peer_timeout_s`). jax alone ends it
@@ -52,6 +53,18 @@ def agree(name: str, value: str) -> str:
     _client().key_value_set(key, json.dumps(value))
     return value
   return json.loads(_client().blocking_key_value_get(key, AGREE_TIMEOUT_MS))
+
+
+def gather(name: str, value: str) -> list[str]:
+  """Every process's `value` (a string each), in process order; one process: [value]. Every process
+  calls it with the same names in the same order."""
+  import jax
+  if jax.process_count() == 1:
+    return [value]
+  key = f"jaxtrain/gather/{name}/{next(_AGREEMENTS.setdefault('gather/' + name, itertools.count()))}"
+  _client().key_value_set(f"{key}/{jax.process_index()}", json.dumps(value))
+  return [json.loads(_client().blocking_key_value_get(f"{key}/{i}", AGREE_TIMEOUT_MS))
+          for i in range(jax.process_count())]
 
 
 class Silence:

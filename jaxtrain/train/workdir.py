@@ -19,7 +19,9 @@ def check_workdir(cfg, workdir: str, start_over: bool) -> None:
   `start_over`, deletes its checkpoints and logs first."""
   saved_path = os.path.join(workdir, "config.json")
   for name, directory in checkpoint.tier_dirs(cfg.checkpoint, workdir).items():
-    if "://" not in directory and jax.process_index() == 0:
+    if checkpoint.object_store.is_s3(directory):  # endpoint, credentials, bucket: every process
+      checkpoint.object_store.check(f"checkpoint tier {name}", directory, cfg.checkpoint)
+    elif "://" not in directory and jax.process_index() == 0:
       _probe_directory(f"checkpoint tier {name}", directory)
   if start_over:
     if jax.process_index() == 0:

@@ -64,7 +64,9 @@ def test_lora_rank_zero_is_the_task_and_bad_configs_are_one_line(tmp_path):
   cases = ((dict(lora_rank=-1), "", "model.lora_rank must be >= 0"),
            (dict(lora_rank=4), "", "set checkpoint.init_from"),
            (dict(lora_rank=4, lora_alpha=0.0), "runs/x", "model.lora_alpha must be positive"),
-           (dict(lora_rank=4, lora_targets="(q"), "runs/x", "is not a regex"))
+           (dict(lora_rank=4, lora_targets="(q"), "runs/x", "is not a regex"),
+           (dict(lora_rank=4, lora_base_bits=4), "runs/x", "must be 0 .* or 8"),
+           (dict(lora_base_bits=8), "", "set model.lora_rank > 0"))
   for model, init_from, match in cases:
     cfg = sft_config()
     cfg.model.update(model)
@@ -225,3 +227,39 @@ def test_lora_ppo_trains_adapters_and_its_fresh_value_head(tmp_path):
   assert len(paths) - len(adapters) == 2 and all(p.endswith(("/a", "/b")) for p in adapters)
   assert np.asarray(state.params["value_head"]["w"]).any()  # trained from its zero init
   assert "value_head" not in state.task_state[lora_task.BASE].tree
+
+
+@pytest.mark.slow  # three short runs
+def test_an_int8_base_trains_resumes_bitwise_and_merges_as_the_run_saw_it(base, tmp_path):
+  """model.lora_base_bits=8: the state's base holds the layer weights in int8 (refilled and
+  requantized at restore: resume stays bitwise), the first loss is the float base's to rounding,
+  and load_params merges the adapters into the base the run trained against."""
+  cfg = lora_config(sft_config(steps=6), base)
+  cfg.model.lora_base_bits = 8
+  cfg.checkpoint.every_steps = 3
+  cfg.optim.lr = 3e-2
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  rows = train(cfg, straight)
+  assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, [r["loss"] for r in rows]
+  float_first = train(lora_config(sft_config(steps=1), base), str(tmp_path / "float"))[0]["loss"]
+  assert rows[0]["loss"] != float_first and abs(rows[0]["loss"] - float_first) < 0.01 * float_first
+  state = restored(cfg, straight)
+  frozen = state.task_state[lora_task.BASE].tree
+  _, base_params = pretrained.load_params(base)
+  for kind in ("q", "k", "v", "o"):
+    node, w = frozen["layers"]["attn"][kind], base_params["layers"]["attn"][kind]
+    assert isinstance(node, lora.Int8) and node.q.dtype == np.int8 and node.q.nbytes == w.size
+  assert np.array_equal(frozen["embed"], base_params["embed"])  # kept as it is
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "6"))
+  os.remove(os.path.join(resumed, "metrics.jsonl"))
+  again = train(cfg, resumed)
+  assert [r["loss"] for r in again] == [r["loss"] for r in rows[3:]]
+  _, merged = pretrained.load_params(straight)
+  want = lora.merge(lora.dequantize(lora.quantize(base_params)),
+                    jax.tree.map(np.asarray, state.params), 8.0, 4)
+  assert all(np.allclose(np.asarray(x), y, rtol=1e-6, atol=1e-7)
+             for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(merged)))
+  assert not np.allclose(merged["layers"]["attn"]["q"],
+                         lora.merge(base_params, jax.tree.map(np.asarray, state.params), 8.0,
+                                    4)["layers"]["attn"]["q"], rtol=0, atol=1e-7)

@@ -2,7 +2,9 @@
 backend on a random tiny LlamaForCausalLM (no download): the same local multiple-choice task run by
 lm_eval.simple_evaluate(model="hf") and (model="jaxtrain") gives log-likelihoods within 1e-4 and
 identical acc and acc_norm; a rolling (perplexity) task the same log-likelihoods but for lm-eval's
-scoring of the text's own BOS; and greedy generate_until the same text."""
+scoring of the text's own BOS; greedy generate_until the same text; and a task YAML's few-shot
+contexts (num_fewshot, description, both samplers, each few-shot pool rule) the same strings as
+lm-eval builds."""
 
 import json
 import logging
@@ -112,3 +114,40 @@ def test_greedy_generate_until_equals_the_hf_backend(hf_with_specials):
               batch_size=2).generate_until(reqs, disable_tqdm=True)
   got = adapter.JaxtrainLM(hf_with_specials, rows=2).generate_until(reqs)
   assert got == want and any(got)
+
+
+FEWSHOT_YAML = {
+    # few-shot pool: the training split; drawn by seed; a description template before each doc
+    "train_pool": {"training_split": "train", "num_fewshot": 2,
+                   "description": "Pick the ending ({{choices|length}} choices).\n\n"},
+    # fewshot_split == test_split: the doc is dropped from its own examples (n + 1 drawn)
+    "own_pool": {"fewshot_split": "test", "num_fewshot": 3, "fewshot_delimiter": "\n###\n"},
+    # no few-shot split: the validation split is the pool; first_n in order
+    "first_n": {"validation_split": "val", "num_fewshot": 2,
+                "fewshot_config": {"sampler": "first_n"}},
+}
+
+
+@pytest.mark.parametrize("case", list(FEWSHOT_YAML))
+def test_yaml_fewshot_contexts_equal_lm_evals(tmp_path, case, monkeypatch):
+  """The contexts lm-eval's ConfigurableTask builds for a local task YAML (its sampler seeded as
+  simple_evaluate seeds it) are jaxtrain's for the same file, doc for doc."""
+  import yaml
+  from lm_eval.api.task import ConfigurableTask
+
+  from jaxtrain.eval import tasks
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  logging.getLogger("lm_eval").setLevel(logging.ERROR)
+  files = {split: write_jsonl(tmp_path / f"{split}.jsonl", multiple_choice_docs(n, seed=k))
+           for k, (split, n) in enumerate([("test", 9), ("train", 7), ("val", 5)])}
+  cfg = {**mc_task(files["test"]), **FEWSHOT_YAML[case]}
+  cfg["dataset_kwargs"] = {"data_files": files}
+  (tmp_path / "t.yaml").write_text(yaml.safe_dump(cfg))
+  reference = ConfigurableTask(config=dict(cfg))
+  reference.set_fewshot_seed(1234)
+  reference.build_all_requests()
+  want = {}
+  for instance in reference.instances:
+    want.setdefault(instance.doc_id, instance.args[0])
+  got = tasks.fewshot_contexts(tasks.load_task(str(tmp_path / "t.yaml")), None, seed=1234)
+  assert got == [want[i] for i in range(len(want))] and len(got) == 9

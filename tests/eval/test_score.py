@@ -58,6 +58,33 @@ def requests(module, params, n=13, seed=0):
   return out + [score.Request(ctx, np.array([greedy], np.int32))]
 
 
+def test_short_requests_pack_into_shorter_rows_with_the_same_scores(model):
+  """A call's row length: the power of two with the fewest FLOPs for its requests; a batch keeps
+  rows * seq_len tokens; scores equal to each request alone."""
+  assert score.packed_rows([10, 9, 6, 5], 16) == 2  # first-fit decreasing: 10+6, 9+5
+  assert score.packed_rows([10, 9, 6, 5], 32) == 1
+  assert score.rows_at(16, 4, 32) == 8 and score.rows_at(32, 4, 32) == 4
+  assert score.rows_at(16, 3, 256) == 48  # still a multiple of 3, for the data axes
+  flat = lambda length: 1.0  # attention costs nothing: the fewest slots win
+  growing = lambda length: 1.0 + length / 64  # attention dominates: short rows win
+  assert score.row_length([40] * 600, 8, 256, flat) == 128  # 3 a row (94% full) beats 1 (63%)
+  assert score.row_length([40] * 600, 8, 256, growing) == 64
+  assert score.row_length([200, 3], 8, 256, growing) == 256  # never below the longest
+  assert score.row_length([5] * 200, 8, 256, flat) == 16  # rows of 16 (MIN_ROW_LEN) fill best
+  cfg, module, params = model
+  rng = np.random.default_rng(3)
+  reqs = [score.Request(rng.integers(0, 64, int(rng.integers(1, 9))).astype(np.int32),
+                        rng.integers(0, 64, int(rng.integers(1, 5))).astype(np.int32))
+          for _ in range(11)]
+  scorer = score.Scorer(cfg, params, rows=4, seq_len=32)
+  lengths = [len(r.context) + len(r.continuation) - 1 for r in reqs]
+  assert score.row_length(lengths, 4, 32, scorer._flops_per_token) == 16
+  got = scorer.loglikelihood(reqs)
+  want = alone(module, params, reqs, seq_len=32)
+  assert np.allclose([g.logprob for g in got], [w[0] for w in want], atol=1e-5, rtol=0)
+  assert [g.is_greedy for g in got] == [w[1] for w in want]
+
+
 def test_packed_scores_equal_each_request_alone(model):
   cfg, module, params = model
   reqs = requests(module, params)

@@ -141,7 +141,9 @@ BAD = {
     "metric": (YAML_HEAD + "output_type: multiple_choice\ndoc_to_text: question\n"
                "doc_to_choice: [a, b]\ndoc_to_target: label\nmetric_list:\n  - metric: mcc\n", 12,
                "'metric_list': .* is not supported"),
-    "fewshot": (YAML_HEAD + "num_fewshot: 5\n", 8, "'num_fewshot': only 0 is supported"),
+    "fewshot": (YAML_HEAD + "num_fewshot: -2\n", 8, "'num_fewshot' must be an integer >= 0"),
+    "sampler": (YAML_HEAD + "fewshot_config:\n  sampler: balanced\n", 8,
+                "'fewshot_config': only {sampler: default | first_n} is supported"),
 }
 
 

@@ -77,3 +77,38 @@ def test_merge_with_zero_b_is_the_base_bitwise_and_otherwise_w_plus_scaled_ab():
   # bfloat16 weights stay bfloat16 (the sum in float32)
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base)
   assert lora.merge(bf16, adapters, 8.0, 4)["layers"]["attn"]["q"].dtype == jnp.bfloat16
+
+
+def test_an_int8_base_keeps_each_output_channels_absmax_scale_and_the_logical_names():
+  """QLoRA-style base: the layer weights as int8 with a float32 scale per output channel (batch
+  axes kept), within half a step of the weight; the scale drops the input axes' names; embedding,
+  output projection and norms untouched; float_like + requantize rebuild it exactly."""
+  boxed = boxed_params(n_experts=4, top_k=2, d_ff_expert=16)
+  abstract = jax.eval_shape(lora.quantize, boxed)
+  q = abstract["layers"]["attn"]["q"]  # [Z, D, H, K]: D reduced
+  assert (q.q.value.shape, q.q.names, q.q.value.dtype) == (
+      (2, 32, 4, 8), ("layers", "embed", "heads", "head_dim"), jnp.int8)
+  assert (q.scale.value.shape, q.scale.names) == ((2, 1, 4, 8), ("layers", None, "heads", "head_dim"))
+  down = abstract["layers"]["moe"]["down"]  # [Z, E, F, D]: F reduced, experts kept
+  assert down.scale.value.shape == (2, 4, 1, 32) and down.axes == (2,)
+  params = jax.tree.map(np.asarray, nn.unbox(jax.jit(Transformer(ModelConfig(
+      vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+      max_seq_len=32)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]))
+  quantized = lora.quantize(params)
+  back = lora.dequantize(quantized)
+  for name in ("layers/attn/q", "layers/attn/o", "layers/mlp/down"):
+    w, node = at(params, name), at(quantized, name)
+    assert node.q.dtype == jnp.int8 and node.dtype == "float32"
+    err = np.abs(np.asarray(at(back, name)) - w)
+    assert np.all(err <= np.asarray(node.scale) / 2 + 1e-7), name
+    assert np.abs(np.asarray(node.q)).max() == 127  # each channel's absmax maps to 127
+  for name in ("embed", "final_norm/scale"):
+    assert at(quantized, name) is at(params, name)
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = jax.tree.map(lambda _: cpu, quantized)
+  like = lora.float_like(quantized, shardings)
+  assert at(like, "layers/attn/q").dtype == jnp.float32 and at(like, "layers/attn/q").shape == (
+      2, 32, 4, 8)
+  again = lora.requantize(quantized, params, shardings)
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(quantized),
+                                                  jax.tree.leaves(again)))

@@ -21,9 +21,9 @@ def code(nb) -> list[str]:
   return [c.source for c in nb.cells if c.cell_type == "code"]
 
 
-def test_the_three_notebooks_are_there():
+def test_the_four_notebooks_are_there():
   assert [os.path.basename(p) for p in NOTEBOOKS] == ["finetune_hf.ipynb", "quickstart.ipynb",
-                                                      "sharding_tour.ipynb"]
+                                                      "sharding_tour.ipynb", "vision_language.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)

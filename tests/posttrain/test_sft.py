@@ -106,7 +106,7 @@ def test_train_task_picks_the_task_and_bad_values_are_one_line(tmp_path):
   kinds = {"lm": LanguageModel, "sft": Sft, "rm": RewardModel, "dpo": Dpo}
   for name, kind in kinds.items():
     assert type(builder.make_task(tiny_config(train=dict(task=name)), str(tmp_path))) is kind
-  choices = r"train.task='sftt': choose one of lm, sft, rm, dpo, grpo, ppo"  # builder.TASKS
+  choices = r"train.task='sftt': choose one of lm, mlm, vlm, sft, rm, dpo, grpo, ppo"  # builder.TASKS
   with pytest.raises(ConfigError, match=choices):
     builder.make_task(tiny_config(train=dict(task="sftt")), str(tmp_path))
   for key, value, match in (("posttrain.loss", "kto", "posttrain.loss: unknown value"),

@@ -8,6 +8,10 @@ global mesh of N * D devices, and writes DIR/process_I.json: the rows of each gl
 (`Feed.lo/hi`), its device counts, the processes of each replica of the mesh and the metrics `train`
 returned. `--overrides` ({section: {key: value}}) changes config sections; its `mesh`, when given,
 replaces MESH whole. Process 0 also writes DIR/metrics.jsonl (jaxtrain does that).
+
+JT_BREAK_SAVES=S1,S2 (the disk fault of tests/checkpoint/test_faults.py, on process 0 alone): while
+process 0 saves one of those steps, the persistent tier's parent directory is a regular file, so the
+step directory Orbax makes there (on process 0 alone) cannot be made.
 """
 
 import argparse
@@ -70,6 +74,8 @@ def main(args):
   rows = {split: Batches(data.make_source(cfg, split), t.batch_size, parallel.batch_sharding(mesh))
           for split in ("train", "eval")}
 
+  if os.environ.get("JT_BREAK_SAVES") and args.process_id == 0:
+    break_saves({int(s) for s in os.environ["JT_BREAK_SAVES"].split(",")}, cfg.checkpoint.dir)
   final = jaxtrain.train(cfg, args.workdir, progress=False, sync_every_step=True)
 
   report = {
@@ -89,6 +95,25 @@ def main(args):
 
   if args.num_processes > 1:
     jax.distributed.shutdown()
+
+
+def break_saves(steps: set, directory: str):
+  """Checkpoints.save of those steps runs with `directory`'s parent replaced by a file."""
+  from jaxtrain import checkpoint
+  real, parent = checkpoint.Checkpoints.save, os.path.dirname(directory)
+
+  def save(ckpts, step, *a, **k):
+    if step not in steps:
+      return real(ckpts, step, *a, **k)
+    ckpts.wait()
+    os.rename(parent, parent + ".away")
+    open(parent, "w").close()
+    try:
+      return real(ckpts, step, *a, **k)
+    finally:
+      os.remove(parent)
+      os.rename(parent + ".away", parent)
+  checkpoint.Checkpoints.save = save
 
 
 if __name__ == "__main__":

@@ -92,3 +92,17 @@ def test_cli_diverged_run_exits_4_with_one_line(tmp_path, capsys):
                "--config.model.head_dim=8", "--config.train.seq_len=32"])
   err = capsys.readouterr().err.strip().splitlines()  # the progress bar's lines, then one error line
   assert code == 4 and err[-1].startswith("error: training diverged") and sum("error" in e for e in err) == 1, err
+
+
+def test_nan_steps_poison_those_batches_and_the_updates_are_skipped(tmp_path):
+  """train.nan_steps (tools/soak.py's injected fault): steps 3 and 5 meet NaN batches, their
+  updates are skipped, and the run goes on; a bad list is one line."""
+  cfg = tiny_config(train=dict(steps=6, log_every=1, nan_steps="3,5"))
+  jaxtrain.train(cfg, str(tmp_path), progress=False, sync_every_step=True)
+  rows = {r["step"]: r for r in metrics.read_metrics(str(tmp_path)) if "loss" in r}
+  assert [rows[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 2, 2]
+  assert np.isfinite(rows[6]["loss"])
+  from jaxtrain.config import ConfigError, validate
+  for bad in ("0", "3,x"):
+    with pytest.raises(ConfigError, match="train.nan_steps must be comma-separated steps"):
+      validate(tiny_config(train=dict(nan_steps=bad)), 8)

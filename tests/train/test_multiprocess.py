@@ -284,6 +284,29 @@ def test_two_processes_train_like_one(tmp_path):
     assert_close({0: p1["final"][key]}, {0: p0["final"][key]}, f"process 1 final {key}")
 
 
+@pytest.mark.slow  # 80-120 s on 2 shared cores
+def test_a_save_that_fails_on_process_0_alone_fails_on_both_and_training_goes_on(tmp_path):
+  """Orbax makes a step's directory on process 0 alone, between two barriers: when that failed, process 1
+  waited 300 s at the second one while process 0 trained on into a collective process 1 never joined (and
+  their barrier counters stayed out of step for every later save). Process 0's probe, agreed by both, fails
+  the save on both; the next saves succeed and the run ends on time."""
+  disk = tmp_path / "disk"
+  os.makedirs(disk)
+  overrides = {"train": dict(eval_every=0), "checkpoint": dict(dir=str(disk / "ckpt"), every_steps=2)}
+  os.environ["JT_BREAK_SAVES"] = "4"
+  try:
+    two = Run(tmp_path / "run", num_processes=2, devices_per_process=4, overrides=overrides)
+  finally:
+    del os.environ["JT_BREAK_SAVES"]
+  wait_all([two], TIMEOUT_S)
+  rows = metrics.read_metrics(two.workdir)
+  errors = [r for r in rows if r.get("event") == "checkpoint_error"]
+  assert [r["step"] for r in errors] == [4] and "Not a directory" in errors[0]["error"], errors
+  assert [r["step"] for r in rows if r.get("event") == "checkpoint_save"] == [2, 6, 8]
+  assert sorted(int(d) for d in os.listdir(disk / "ckpt") if d.isdigit()) == [6, 8]  # keep=2
+  assert [f["final"]["step"] for f in reports(two)] == [8, 8]
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
   os.environ["JT_STEPS"] = "100000"
