@@ -256,7 +256,8 @@ LORA_TASKS = ("lm", "sft", "dpo", "grpo", "ppo")
 
 def validate_lora(cfg) -> None:
   """model.lora_*: a rank >= 0, base bits 0 or 8 (only with a rank); with a rank, a base
-  (checkpoint.init_from), a task of LORA_TASKS, a positive alpha and a pattern that compiles (one matching no weight: at build, core/lora.py)."""
+  (checkpoint.init_from), a task of LORA_TASKS, a positive alpha and a pattern that compiles (one
+  matching no weight: at build, core/lora.py)."""
   m = cfg.model
   if m.lora_rank < 0:
     raise ConfigError(f"model.lora_rank must be >= 0 (0 = off), got {m.lora_rank}")

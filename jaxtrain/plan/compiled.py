@@ -6,6 +6,8 @@ Per device: argument + output + temp - alias bytes of `Compiled.memory_analysis(
 state's outputs alias its inputs, so it counts once). Used by `train.batch_size=auto` to confirm its
 choice and by the tests; the planner itself never compiles."""
 
+import time
+
 import jax
 
 from jaxtrain import builder, parallel
@@ -31,13 +33,12 @@ def compiled_memory(cfg, devices=None, quick: bool = False) -> dict:
   return out
 
 
-def measured_step_time(cfg, steps: int = 5, devices=None) -> float:
-  """Wall time (seconds) of the fastest of `steps` train steps of `cfg` after a warm-up step, on
+def step_timer(cfg, devices=None):
+  """A function `steps -> seconds`: the wall time of the fastest of `steps` train steps of `cfg`, on
   real arrays: the step as the loop compiles it, the state born sharded, one real batch (fed once,
-  reused). The fastest, like the CPU peak it is compared with (metrics.peak_flops: the fastest of
-  its repeats): other processes on a shared host only ever slow a step down, and a median taken
-  under load measured the load."""
-  import time
+  reused), compiled and warmed up once here. The fastest, like the CPU peak it is compared with
+  (metrics.peak_flops: the fastest of its repeats): other processes on a shared host only ever slow
+  a step down, and a median taken under load measured the load."""
   devices = jax.devices() if devices is None else devices
   mesh, task, tx, schedule = builder.build(cfg, "", devices)
   feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
@@ -45,12 +46,23 @@ def measured_step_time(cfg, steps: int = 5, devices=None) -> float:
   state, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
   with parallel.activate(mesh, cfg.mesh.rules):
     train_fn, _ = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)
-    state, out = train_fn(state, batch)
-    jax.block_until_ready(out)
+
+  def fastest(steps: int) -> float:
+    nonlocal state
     times = []
-    for _ in range(steps):
-      start = time.perf_counter()
-      state, out = train_fn(state, batch)
-      jax.block_until_ready(out)
-      times.append(time.perf_counter() - start)
-  return min(times)
+    with parallel.activate(mesh, cfg.mesh.rules):
+      for _ in range(steps):
+        start = time.perf_counter()
+        state, out = train_fn(state, batch)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+  fastest(1)  # the warm-up step
+  return fastest
+
+
+def measured_step_time(cfg, steps: int = 5, devices=None) -> float:
+  """Wall time (seconds) of the fastest of `steps` train steps of `cfg` after a warm-up step
+  (step_timer)."""
+  return step_timer(cfg, devices)(steps)
