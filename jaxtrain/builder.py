@@ -75,22 +75,39 @@ def newest_step(path: str) -> int:
   return pretrained.find_step(path)[1]
 
 
+def train_step(cfg, task, tx, schedule, shardings):
+  """`step(state, batch) -> (state, metrics)`, not jitted: the one optimizer step every program
+  below runs."""
+  way = optim.outer(cfg)
+  step = make_train_step(task.loss, offload.around_tx(tx, cfg.train.offload), schedule,
+                         metrics_fn=task.metrics, update_extra=task.update_extra,
+                         microbatches=cfg.train.microbatches, reduce_axis=way.axis,
+                         state_specs=manual_specs(shardings, way.axis),
+                         local_metrics=way.local_metrics, loss_params=way.loss_params)
+  return offload.around(step, cfg.train.offload)
+
+
 def compile_steps(cfg, mesh, task, tx, schedule, shardings):
   """The train and eval steps, jitted once with explicit shardings; the state is donated."""
   batch_sh = parallel.batch_sharding(mesh)
-  way = optim.outer(cfg)
-  tx = offload.around_tx(tx, cfg.train.offload)
-  step = make_train_step(task.loss, tx, schedule, metrics_fn=task.metrics,
-                         update_extra=task.update_extra, microbatches=cfg.train.microbatches,
-                         reduce_axis=way.axis, state_specs=manual_specs(shardings, way.axis),
-                         local_metrics=way.local_metrics, loss_params=way.loss_params)
-  step = offload.around(step, cfg.train.offload)
-  train_fn = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
+  train_fn = jax.jit(train_step(cfg, task, tx, schedule, shardings),
+                     in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
                      donate_argnums=0)
   eval_fn = jax.jit(
       offload.around_eval(task.eval_sums, cfg.train.offload),
       in_shardings=(shardings.params, shardings.extra, shardings.task_state, batch_sh))
   return train_fn, eval_fn
+
+
+def compile_call(cfg, mesh, task, tx, schedule, shardings):
+  """Several optimizer steps in one program (train.steps_per_call): `(state, batches) -> (state,
+  metrics)`, a scan of the train step over the batches' leading axis (one entry per step, as are
+  the metrics'); bitwise the same steps one call each (tests/train/test_steps_per_call.py). The
+  state is donated."""
+  step = train_step(cfg, task, tx, schedule, shardings)
+  return jax.jit(lambda state, batches: jax.lax.scan(step, state, batches),
+                 in_shardings=(shardings, parallel.stacked(parallel.batch_sharding(mesh))),
+                 out_shardings=(shardings, None), donate_argnums=0)
 
 
 def manual_specs(shardings, axis: str):

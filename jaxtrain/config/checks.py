@@ -23,7 +23,7 @@ RESUMABLE_CHANGES = (
     "train.eval_batches", "train.microbatches", "train.pipeline_microbatches",
     "model.pipeline_repeats", "data.prefetch", "data.prepare_workers",
     "data.cache_dir", "train.peer_timeout_s", "train.gpu_hour_price", "train.device_memory_gib",
-    "train.offload", "train.compilation_cache")
+    "train.offload", "train.compilation_cache", "train.steps_per_call")
 
 
 def validate(cfg, device_count: int) -> dict[str, int]:

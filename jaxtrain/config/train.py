@@ -33,6 +33,10 @@ def train_defaults() -> ml_collections.ConfigDict:
   # batch_size/microbatches=auto: the per-device limit; 0 = the device's own (CPU: set it)
   t.device_memory_gib = 0.0
   t.log_every = 20
+  # optimizer steps per jitted call: a scan over this many batches fed together (bitwise the same
+  # steps; fewer dispatches). Calls end where a save, an evaluation or a health check is due, and the
+  # steps before one run singly; every step's metrics are still logged (jaxtrain/train/calls.py)
+  t.steps_per_call = 1
   t.eval_every = 200
   t.eval_batches = 4
   t.z_loss = 0.0
@@ -80,7 +84,7 @@ def validate_train(cfg, shape) -> None:
     raise ConfigError(f"train.offload=params: {t.task}'s rollouts read the params outside the "
                       f"step; offload the optimizer instead")
   for key in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "peer_timeout_s",
-              "ce_token_chunk", "ce_vocab_chunk"):
+              "ce_token_chunk", "ce_vocab_chunk", "steps_per_call"):
     auto = f"train.{key}" in AUTO_KEYS
     if t[key] == AUTO and auto:
       continue
@@ -99,6 +103,13 @@ def validate_train(cfg, shape) -> None:
     raise ConfigError(
         f"train.batch_size={t.batch_size} does not divide into {t.microbatches} microbatch(es) "
         f"over the {data_ways} data-parallel devices (replica*data*fsdp*expert)")
+  if t.steps_per_call > 1 and t.task in ("grpo", "ppo"):
+    raise ConfigError(f"train.steps_per_call={t.steps_per_call}: {t.task} samples each step's "
+                      f"rollouts from the params between steps; set train.steps_per_call=1")
+  if t.steps_per_call > 1 and t.offload != "none":
+    raise ConfigError(f"train.steps_per_call={t.steps_per_call} with train.offload={t.offload}: "
+                      f"the offloaded state moves between host and device around each call's "
+                      f"single step; set train.steps_per_call=1")
   check_floats("train", t, RANGES)
   nan_steps(t)
   validate_mlm(cfg)

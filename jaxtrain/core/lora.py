@@ -132,8 +132,11 @@ class Lora(Task):
     full, inner = self.merged(params, task_state)
     return self.inner.eval_sums(full, extra, inner, batch)
 
+  def feeds_unchanged(self):
+    return self.inner.feeds_unchanged()
+
   def make_batch(self, params, extra, task_state, batch, step):
-    if type(self.inner).make_batch is Task.make_batch:  # the fed batch: nothing to merge
+    if self.inner.feeds_unchanged():  # the fed batch: nothing to merge
       return batch
     full, inner = self.merged(params, task_state)
     return self.inner.make_batch(full, extra, inner, batch, step)

@@ -52,6 +52,11 @@ class Task:
     del params, extra, task_state, step
     return batch
 
+  def feeds_unchanged(self) -> bool:
+    """Whether make_batch is the default (the fed batch, unchanged): then several steps' batches can
+    be fed together, before the steps run (train.steps_per_call)."""
+    return type(self).make_batch is Task.make_batch
+
   def prepare(self, progress: bool) -> None:
     """Host-side work before the first batch (tokenizing a corpus); run on every process."""
 

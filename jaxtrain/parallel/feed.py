@@ -3,6 +3,8 @@
 import jax
 import numpy as np
 
+from jaxtrain.parallel import mesh as mesh_lib
+
 
 class Feed:
   """Places this process's rows of each global batch as jax.Arrays sharded over the data axes.
@@ -32,6 +34,21 @@ class Feed:
       ]
       return jax.make_array_from_single_device_arrays(shape, self.sharding, shards)
     return {k: place(v) for k, v in local.items()}
+
+  def put_many(self, locals_: list[dict]) -> dict:
+    """Several batches' rows ([hi - lo, ...] each) -> {key: global [len(locals_), batch_size, ...]
+    jax.Array}, the steps' axis whole on every device (a call of several steps)."""
+    sharding = mesh_lib.stacked(self.sharding)
+    def place(xs):
+      x = np.stack([np.asarray(v) for v in xs])
+      shape = (len(xs), self.batch_size, *x.shape[2:])
+      shards = [
+          jax.device_put(
+              x[:, (r.start or 0) - self.lo:(self.batch_size if r.stop is None else r.stop) - self.lo],
+              d) for d, r in self._rows.items()
+      ]
+      return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return {k: place([local[k] for local in locals_]) for k in locals_[0]}
 
   def batch(self, source, index: int) -> dict:
     """Global batch `index` of a random-access source (synthetic, bytes:

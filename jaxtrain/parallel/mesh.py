@@ -47,6 +47,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(DATA_AXES))
 
 
+def stacked(sharding: NamedSharding) -> NamedSharding:
+  """`sharding` behind a new leading axis that no device splits (one entry per step of a call)."""
+  return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules_name: str):
   """The mesh and the logical-axis rules in context, as every step is traced and compiled."""

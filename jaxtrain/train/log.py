@@ -15,11 +15,12 @@ from jaxtrain.parallel import hlo_bytes
 
 
 class Pending(NamedTuple):
-  """A dispatched step whose metrics are read after the next step is dispatched."""
+  """A dispatched step whose metrics are read after the next call is dispatched."""
   step: int  # the step count after it
   metrics: dict  # on the device until read
   due: bool  # logged when read
   extra: dict  # the evaluation results logged in the same row ({} when none)
+  index: int | None = None  # its entry of a call's metrics (one per step), None: a call of one
 
 
 def peak_flops_total(cfg, workdir: str | None = None) -> tuple[float, str]:
@@ -53,10 +54,13 @@ def readable(mesh, per_replica: bool):
   return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
 
 
-def read_metrics(step_metrics, per_replica: bool) -> dict:
-  """A step's metrics on the host; per-replica ones (a leading axis of one entry per replica)
-  reduced: the worst for the skip counters, the mean for the rest."""
-  values = jax.device_get(step_metrics)
+def read_metrics(step_metrics, per_replica: bool, index: int | None = None) -> dict:
+  """A step's metrics on the host (`index`: its entry of a call's metrics); per-replica ones (a
+  leading axis of one entry per replica) reduced: the worst for the skip counters, the mean for
+  the rest."""
+  values = jax.device_get(step_metrics)  # a call's arrays are fetched once, at their first read
+  if index is not None:
+    values = {k: v[index] for k, v in values.items()}
   if not per_replica:
     return values
   worst = ("skipped_steps", "consecutive_skips")
@@ -83,12 +87,24 @@ class Log:
 
   def step(self, pending: Pending) -> dict:
     """Logs a finished step's metrics (and its eval results) when due. Returns the row or {}."""
-    step, step_metrics, due, extra = pending
+    return self.steps([pending])
+
+  def steps(self, pendings: list[Pending]) -> dict:
+    """Logs the due ones of finished steps (one call's), each at the window's time per step: the
+    steps of one call finish together. Returns the last row or {}."""
+    due = [p for p in pendings if p.due]
     if not due:
       return {}
-    values = {**{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
-                 for k, v in read_metrics(step_metrics, self.per_replica).items()}, **extra}
     step_time = (time.perf_counter() - self.window_start) / max(self.window_steps, 1)
+    for p in due:
+      row = self._row(p, step_time)
+    self.restart_window()
+    return row
+
+  def _row(self, pending: Pending, step_time: float) -> dict:
+    step, step_metrics, _, extra, index = pending
+    values = {**{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+                 for k, v in read_metrics(step_metrics, self.per_replica, index).items()}, **extra}
     row = {**values, "step_time_s": step_time, **self.constants}
     if self.tokens:
       row.update(tokens_per_sec=self.tokens / step_time,
@@ -99,12 +115,11 @@ class Log:
     self.bar.update(step - self.bar.n)
     self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{row.get('tokens_per_sec', 0):,.0f}",
                          mfu=f"{row.get('mfu', 0):.1%}", refresh=False)
-    self.restart_window()
     return row
 
-  def health(self, step_metrics) -> dict:
+  def health(self, pending: Pending) -> dict:
     """The few scalars read every step: the save policy's warning signs and the divergence
     counter."""
     keys = ("loss", "grad_norm", "skipped_steps", "consecutive_skips")
-    read = read_metrics({k: step_metrics[k] for k in keys}, self.per_replica)
+    read = read_metrics({k: pending.metrics[k] for k in keys}, self.per_replica, pending.index)
     return {k: float(v) for k, v in read.items()}

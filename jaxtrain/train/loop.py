@@ -17,11 +17,11 @@ import numpy as np
 import tqdm.auto
 
 from jaxtrain import checkpoint, config as config_lib, errors, metrics as metrics_lib, parallel
-from jaxtrain.builder import (Run, build, compile_steps, init_params, per_replica_metrics,
-                              restore_state)
+from jaxtrain.builder import (Run, build, compile_call, compile_steps, init_params,
+                              per_replica_metrics, restore_state)
 from jaxtrain.core import state as state_lib
 from jaxtrain.plan import auto, oom
-from jaxtrain.train import (goodput as goodput_lib, hardware as hardware_lib, lock, peers,
+from jaxtrain.train import (calls, goodput as goodput_lib, hardware as hardware_lib, lock, peers,
                             restart)
 from jaxtrain.train.log import Log, Pending, comm_bytes, peak_flops_total, readable
 from jaxtrain.train.preemption import Preemption
@@ -108,6 +108,7 @@ def _train(cfg, rows, start_over, goodput, workdir, task, devices, progress, syn
   config_lib.validate(cfg, len(devices))
   check_workdir(cfg, workdir, start_over)
   run = build(cfg, workdir, devices, task)
+  calls.check_task(cfg, run.task)
   oom.check_host(cfg, len(devices), sum(d.process_index == jax.process_index() for d in devices))
   show = progress and jax.process_index() == 0
 
@@ -139,6 +140,9 @@ def _train(cfg, rows, start_over, goodput, workdir, task, devices, progress, syn
     # ---- compile once, with the logical rules and mesh in context ----
     stack.enter_context(parallel.activate(run.mesh, cfg.mesh.rules))
     train_fn, eval_fn = compile_steps(cfg, *run, shardings)
+    train_fns = {1: train_fn}  # steps per call -> its program
+    if cfg.train.steps_per_call > 1:
+      train_fns[cfg.train.steps_per_call] = compile_call(cfg, *run, shardings)
     peak, peak_source = peak_flops_total(cfg, workdir)
     bar = stack.enter_context(tqdm.auto.tqdm(total=cfg.train.steps, initial=int(state.step),
                                              disable=not show, dynamic_ncols=True,
@@ -146,7 +150,7 @@ def _train(cfg, rows, start_over, goodput, workdir, task, devices, progress, syn
     units = jax.process_count() if jax.default_backend() == "cpu" else jax.device_count()  # paid
     log = Log(writer, bar, constants, run.task, peak, per_replica_metrics(cfg),
               lambda s: goodput.row(s, run.task.tokens_per_batch, cfg.train.gpu_hour_price, units))
-    loop = Loop(cfg, run, feed, train_iter, state, train_fn, eval_fn, log, ckpts, goodput,
+    loop = Loop(cfg, run, feed, train_iter, state, train_fns, eval_fn, log, ckpts, goodput,
                 checkpoint_meta(cfg, workdir), sync_every_step, show)
     if evaluator is None:  # eval.tasks scored between steps (eval shares train's floor)
       from jaxtrain.eval import loop as eval_loop
@@ -158,18 +162,20 @@ def _train(cfg, rows, start_over, goodput, workdir, task, devices, progress, syn
     loop.startup = startup if resumed else None
     goodput.charge("init")  # jitting, the peak FLOP/s probe
 
-    # ---- loop: dispatch step n, then read step n-1's metrics; SIGTERM/SIGINT: save and stop ----
+    # ---- loop: dispatch the call of step n (of steps n..n+k-1: train.steps_per_call), then read the
+    # previous call's metrics; SIGTERM/SIGINT: save and stop ----
     loop.preemption = stack.enter_context(Preemption())
+    every = calls.intervals(cfg)
     while loop.step < cfg.train.steps:
-      batch = loop.next_batch()
+      k = calls.size(loop.step, cfg, every)
+      batch = loop.next_batch(k)
       if batch is None:  # Ctrl-C while it was read
         break
-      step_metrics = loop.dispatch(batch)
+      step_metrics = loop.dispatch(batch, k)
       if loop.read_previous():  # diverged: rolled back to the last good checkpoint
         continue
-      is_last = loop.step + 1 == cfg.train.steps
-      loop.schedule_log(step_metrics, is_last)
-      loop.step += 1
+      loop.schedule_logs(step_metrics, k)
+      is_last = loop.step == cfg.train.steps
       if loop.stop_requested():
         break
       loop.check_hardware()
@@ -253,15 +259,16 @@ class Loop:
   one step late, `Pending`), the last logged row, the rollbacks, and the sinks each phase charges or
   writes."""
 
-  def __init__(self, cfg, run: Run, feed, train_iter, state, train_fn, eval_fn, log: Log, ckpts,
-               goodput, meta: dict, sync_every_step: bool, show: bool):
+  def __init__(self, cfg, run: Run, feed, train_iter, state, train_fns: dict, eval_fn, log: Log,
+               ckpts, goodput, meta: dict, sync_every_step: bool, show: bool):
     self.cfg, self.run, self.feed, self.train_iter = cfg, run, feed, train_iter
-    self.state, self.train_fn, self.eval_fn, self.compiled = state, train_fn, eval_fn, None
+    # steps per call -> its jitted program, and the ones compiled so far
+    self.state, self.train_fns, self.eval_fn, self.compiled = state, train_fns, eval_fn, {}
     self.log, self.ckpts, self.goodput, self.meta = log, ckpts, goodput, meta
     self.sync_every_step, self.show, self.preemption = sync_every_step, show, None
     self.step = self.start = int(state.step)
     self.nan_steps = config_lib.nan_steps(cfg.train)  # fault injection: poisoned batches
-    self.pending: Pending | None = None
+    self.pending: list[Pending] = []  # the previous call's steps
     self.last, self.rollbacks = {}, 0
     self.adaptive = any(tier.adaptive for tier in ckpts.tiers)
     self.tasks = None  # the in-loop task evaluator (train's `evaluator`)
@@ -269,38 +276,44 @@ class Loop:
     self.startup = None  # a resumed run's restart.Startup, until its first step
     self.gather = readable(run.mesh, log.per_replica)
 
-  def next_batch(self):
-    """This step's batch (task.make_batch of the fed rows), or None after a Ctrl-C in host code
+  def next_batch(self, k: int = 1):
+    """This step's batch (task.make_batch of the fed rows), or a call's k batches fed together
+    (stacked, the fed rows unchanged: calls.check_task), or None after a Ctrl-C in host code
     without the handler (a second one, or a task's own): the batch it was reading is the resumed
     run's first."""
     data_state = self.train_iter.get_state()
     try:
-      local = next(self.train_iter)
-      if self.step + 1 in self.nan_steps:
-        local = poisoned(local)
+      rows = []
+      for n in range(self.step + 1, self.step + 1 + k):
+        rows.append(poisoned(next(self.train_iter)) if n in self.nan_steps else next(self.train_iter))
       self.goodput.charge("data")
+      if k > 1:
+        return self.feed.put_many(rows)
       s = self.state
-      return self.run.task.make_batch(s.params, s.extra, s.task_state, self.feed.put(local),
+      return self.run.task.make_batch(s.params, s.extra, s.task_state, self.feed.put(rows[0]),
                                       self.step)
     except KeyboardInterrupt:
       self.train_iter.set_state(data_state)
       self.last["preempted"] = self.preemption.requested = "KeyboardInterrupt"
-      self.pending = self.pending and self.pending._replace(due=True)
+      self.log_last_pending()
       return None
 
-  def dispatch(self, batch):
-    """Runs the step; its metrics stay on the device. Compiled at the first step, here, so that its
-    HLO says what the step sends (comm_bytes)."""
-    if self.compiled is None:
+  def dispatch(self, batch, k: int = 1):
+    """Runs the call of k steps; its metrics stay on the device. Each program is compiled at its
+    first call, here; the first one's HLO says what a step sends (comm_bytes: a call's bytes over
+    its k steps)."""
+    if k not in self.compiled:
       self.goodput.charge("step")
       if self.startup:
         self.startup.charge("setup")
-      self.compiled = self.train_fn.lower(self.state, batch).compile()
-      self.log.constants.update(comm_bytes(self.compiled.as_text(), self.run.mesh))
+      self.compiled[k] = self.train_fns[k].lower(self.state, batch).compile()
+      if len(self.compiled) == 1:
+        sent = comm_bytes(self.compiled[k].as_text(), self.run.mesh)
+        self.log.constants.update(sent if k == 1 else {name: n / k for name, n in sent.items()})
       self.goodput.charge("compile")
       if self.startup:
         self.startup.charge("compile")
-    self.state, step_metrics = self.compiled(self.state, batch)
+    self.state, step_metrics = self.compiled[k](self.state, batch)
     step_metrics = self.gather(step_metrics)
     if self.sync_every_step or self.startup:
       jax.block_until_ready(step_metrics)
@@ -313,17 +326,16 @@ class Loop:
   def read_previous(self) -> bool:
     """The previous step's metrics, read while this one runs: the save policy's warning signs, the
     divergence counter, its row when due. True when it diverged and the state was rolled back."""
-    p = self.pending
-    if p is None:
-      return False
-    health = self.log.health(p.metrics)
-    if self.adaptive:
-      self.decisions(p.step, self.ckpts.observe(p.step, health["loss"], health["grad_norm"],
-                                                health["skipped_steps"]))
-    if health["consecutive_skips"] >= self.cfg.optim.max_consecutive_skips:
-      self.roll_back(p)
-      return True
-    self.last = self.log.step(p) or self.last
+    for i, p in enumerate(self.pending):
+      health = self.log.health(p)
+      if self.adaptive:
+        self.decisions(p.step, self.ckpts.observe(p.step, health["loss"], health["grad_norm"],
+                                                  health["skipped_steps"]))
+      if health["consecutive_skips"] >= self.cfg.optim.max_consecutive_skips:
+        self.log.steps(self.pending[:i])  # the call's steps before it
+        self.roll_back(p)
+        return True
+    self.last = self.log.steps(self.pending) or self.last
     return False
 
   def roll_back(self, p: Pending):
@@ -336,21 +348,31 @@ class Loop:
     self.rollbacks += 1
     self.log.event(self.step,
                    {"event": "rollback", "from_step": p.step, "rollbacks": self.rollbacks})
-    self.pending = None
+    self.pending = []
     self.log.restart_window()
 
-  def schedule_log(self, step_metrics, is_last: bool):
-    """This step's metrics become the pending ones, with the evaluation's results when one is due.
-    The first step is always logged alone: its time includes compilation, later windows' do not."""
+  def schedule_logs(self, step_metrics, k: int):
+    """The call's k steps become the pending ones (step advances by k); calls.size ended the call
+    where an evaluation is due, so the state evaluated is its last step's."""
+    self.pending = []
+    for i in range(k):
+      self.schedule_log(step_metrics, self.step + 1 == self.cfg.train.steps,
+                        None if k == 1 else i)
+      self.step += 1
+
+  def schedule_log(self, step_metrics, is_last: bool, index: int | None = None):
+    """This step's metrics (its entry `index` of a call's) join the pending ones, with the
+    evaluation's results when one is due. The first step is always logged alone: its time includes
+    compilation, later windows' do not."""
     t, n = self.cfg.train, self.step + 1
     self.log.window_steps += 1
     due = is_last or self.step == self.start or n % t.log_every == 0
-    self.pending = Pending(n, step_metrics, due, {})
+    p = Pending(n, step_metrics, due, {}, index)
     if t.eval_every and (n % t.eval_every == 0 or is_last):
-      self.pending = Pending(n, step_metrics, True, self.evaluate(n))
+      p = p._replace(due=True, extra=self.evaluate(n))
     if self.tasks is not None and self.tasks.due(n, is_last):
-      self.pending = self.pending._replace(due=True, extra={**self.pending.extra,
-                                                            **self.evaluate(n, self.tasks)})
+      p = p._replace(due=True, extra={**p.extra, **self.evaluate(n, self.tasks)})
+    self.pending.append(p)
 
   def evaluate(self, n: int, tasks=None) -> dict:
     """Eval loss (or with `tasks`, the in-loop tasks' columns), charged to goodput's eval badput."""
@@ -377,9 +399,14 @@ class Loop:
     """SIGTERM/SIGINT (or the preemption notice): the pending step is logged and the run saves."""
     if not self.preemption.check(self.step):
       return False
-    self.pending = self.pending._replace(due=True)
+    self.log_last_pending()
     self.last["preempted"] = self.preemption.requested
     return True
+
+  def log_last_pending(self):
+    """The newest dispatched step is logged when read (a run that stops early)."""
+    if self.pending:
+      self.pending[-1] = self.pending[-1]._replace(due=True)
 
   def check_hardware(self):
     """Every checkpoint.health_every_steps: the run's hardware risk (every process's readings), a
@@ -409,15 +436,13 @@ class Loop:
   def read_last(self):
     """The last dispatched step's metrics, logged; errors.Diverged when it ended a run of non-finite
     updates."""
-    if self.pending is None:
-      return
     o = self.cfg.optim
-    if self.log.health(self.pending.metrics)["consecutive_skips"] >= o.max_consecutive_skips:
-      raise errors.Diverged(
-          f"training diverged: the last {o.max_consecutive_skips} updates up to step "
-          f"{self.pending.step} were not finite (optim.max_consecutive_skips); lower "
-          "optim.lr")
-    self.last.update(self.log.step(self.pending))
+    for p in self.pending:
+      if self.log.health(p)["consecutive_skips"] >= o.max_consecutive_skips:
+        raise errors.Diverged(
+            f"training diverged: the last {o.max_consecutive_skips} updates up to step "
+            f"{p.step} were not finite (optim.max_consecutive_skips); lower optim.lr")
+    self.last.update(self.log.steps(self.pending))
 
   def finish(self) -> dict:
     """The forced save of the final state to the persistent tier, waited for; the goodput totals."""
