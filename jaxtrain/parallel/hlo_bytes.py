@@ -379,3 +379,15 @@ def total(rows: list[Collective]) -> float:
   """Bytes one device sends per optimizer step, all collectives."""
   return sum(r.per_step for r in rows)
 
+
+
+def syncs(rows: list[Collective]) -> dict[int, float]:
+  """Bytes one device sends in one periodic sync, by its period: the collectives scoped
+  comm_every_N (N > 1: a DiLoCo fragment's outer average, in the step that sends it) summed, each
+  as often as it runs in that step. The average per step hides these peaks: a sync of the whole
+  model every H steps and a fragment of it every H/P steps average the same."""
+  out = {}
+  for r in rows:
+    if r.every > 1:
+      out[r.every] = out.get(r.every, 0.0) + r.bytes_sent * r.runs
+  return out

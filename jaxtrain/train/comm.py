@@ -84,8 +84,14 @@ def measure(cfgs: list, devices=None) -> list[dict]:
       text, mesh, n = _compile(cfg, devices)
       rows = hlo_bytes.collectives(text, mesh)
       axis = reduced_axis(cfg)
+      periodic = hlo_bytes.syncs(rows)
+      every, sync = max(periodic.items(), key=lambda item: item[1], default=(1, 0.0))
       done[key] = {"by_axis": hlo_bytes.by_axis(rows), "total": hlo_bytes.total(rows), "params": n,
-                   "reduced": sum(r.per_step for r in rows if axis in r.axes)}
+                   "reduced": sum(r.per_step for r in rows if axis in r.axes),
+                   # the largest periodic sync, once every `sync_every` steps, and the step that
+                   # sends it (with everything sent every step)
+                   "sync": sync, "sync_every": every,
+                   "peak_step": sum(r.per_step for r in rows if r.every == 1) + sync}
   return [done[key] for key in keys]
 
 
@@ -119,6 +125,10 @@ def format_report(rep: dict) -> str:
   a, ratio = rep["axis"], rep["ratio"]
   lines.append(f"over {a}: baseline / config = {ratio:.2f}x" if ratio is not None else
                f"over {a}: the config sends nothing (the baseline {base['reduced']:,.0f} bytes)")
+  if config["sync"]:
+    lines.append(f"largest single sync: {config['sync']:,.0f} bytes per device, once every "
+                 f"{config['sync_every']} steps; the step that sends it: {config['peak_step']:,.0f} "
+                 f"(the baseline's every step: {base['peak_step']:,.0f})")
   return "\n".join(lines)
 
 

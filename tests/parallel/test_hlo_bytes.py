@@ -79,6 +79,7 @@ def test_loops_multiply_and_a_synced_branch_divides():
   looped, synced = sorted(hlo_bytes.collectives(text, mesh), key=lambda r: r.every)
   assert (looped.runs, looped.every, looped.bytes_sent, looped.per_step) == (3, 1, 1536, 3 * 1536)
   assert (synced.runs, synced.every, synced.bytes_sent) == (1, 10, 1536) and synced.per_step == pytest.approx(153.6)
+  assert hlo_bytes.syncs([looped, synced]) == {10: 1536}  # one sync's bytes, not its average per step
 
 
 def test_by_axis_and_total(rows):

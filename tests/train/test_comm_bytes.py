@@ -69,3 +69,15 @@ def test_streaming_sync_peak_is_the_full_sync_over_p():
   peak, per_step = sync_bytes(inner_steps=8, fragments=2, delay=1)
   assert peak == pytest.approx(full / 2, rel=0.05)
   assert per_step == pytest.approx(full_per_step, rel=0.01)  # the same bytes in all, spread over the interval
+  # what `python -m jaxtrain comm` reports: the largest single sync and its period, P-fold smaller and P-fold
+  # more frequent with P fragments
+  whole, streamed = comm.measure([config(diloco=dict(inner_steps=8)),
+                                  config(diloco=dict(inner_steps=8, fragments=2, delay=1))])
+  assert (whole["sync"], whole["sync_every"], streamed["sync_every"]) == (full, 8, 4)
+  assert streamed["sync"] == peak
+  # the step that syncs also sends what every step sends (the gradient's all-reduce over data), the same
+  # with and without fragments
+  every_step = whole["peak_step"] - whole["sync"]
+  assert every_step > 0 and streamed["peak_step"] - streamed["sync"] == pytest.approx(every_step)
+  report = comm.format_report(comm._report(config(), streamed, comm.measure([comm.baseline(config())])[0]))
+  assert f"largest single sync: {peak:,.0f} bytes per device, once every 4 steps" in report

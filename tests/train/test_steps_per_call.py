@@ -63,6 +63,7 @@ def test_call_sizes_end_where_the_state_is_needed():
   assert calls.size(0, tiny_config(train=dict(steps=20)), every) == 1  # the default: one step a call
 
 
+@pytest.mark.slow  # two runs and three compiles; the resume test below checks calls against single steps by default
 def test_calls_are_bitwise_single_steps_with_a_save_between(tmp_path):
   cfg = tiny_config(train=dict(steps=10), checkpoint=dict(every_steps=6))
   calls_cfg = tiny_config(train=dict(steps=10, steps_per_call=4), checkpoint=dict(every_steps=6))
@@ -71,16 +72,19 @@ def test_calls_are_bitwise_single_steps_with_a_save_between(tmp_path):
   assert saved == [6, 10]
 
 
-def test_a_run_resumed_between_calls_equals_the_uninterrupted_one(tmp_path):
-  cfg = tiny_config(train=dict(steps=10, steps_per_call=3), checkpoint=dict(every_steps=6))
+def test_a_run_resumed_in_calls_equals_the_uninterrupted_run_of_single_steps(tmp_path):
+  cfg = tiny_config(train=dict(steps=10), checkpoint=dict(every_steps=6))
+  calls_cfg = tiny_config(train=dict(steps=10, steps_per_call=3), checkpoint=dict(every_steps=6))
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
   jaxtrain.train(cfg, straight, progress=False)
   shutil.copytree(straight, resumed)
   shutil.rmtree(os.path.join(resumed, "checkpoints", "10"))
   os.remove(os.path.join(resumed, "metrics.jsonl"))
-  jaxtrain.train(cfg, resumed, progress=False)  # from step 6: a call of 7-9, then 10 alone
+  jaxtrain.train(calls_cfg, resumed, progress=False)  # from step 6: a call of 7-9, then 10 alone
   assert step_rows(resumed) == {s: r for s, r in step_rows(straight).items() if s > 6}
-  jax.tree.map(np.testing.assert_array_equal, final_state(cfg, straight).params, final_state(cfg, resumed).params)
+  a, b = final_state(cfg, straight), final_state(cfg, resumed)
+  jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+  jax.tree.map(np.testing.assert_array_equal, a.opt_state, b.opt_state)
 
 
 @pytest.mark.slow  # two DiLoCo runs, each compiling a call of 4 replicas' inner steps
