@@ -9,6 +9,7 @@ file.
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -19,6 +20,7 @@ from jaxtrain.core.lm import LanguageModel
 from jaxtrain.core.mlm import MaskedLanguageModel
 from jaxtrain.core.step import make_train_step
 from jaxtrain.core.vlm import VisionLanguage
+from jaxtrain.optim.diloco import call_position
 from jaxtrain.posttrain import Dpo, Grpo, Ppo, RewardModel, Sft
 
 # train.task -> the task it trains: the one list of tasks (a task written elsewhere: task=).
@@ -101,13 +103,33 @@ def compile_steps(cfg, mesh, task, tx, schedule, shardings):
 
 def compile_call(cfg, mesh, task, tx, schedule, shardings):
   """Several optimizer steps in one program (train.steps_per_call): `(state, batches) -> (state,
-  metrics)`, a scan of the train step over the batches' leading axis (one entry per step, as are
-  the metrics'); bitwise the same steps one call each (tests/train/test_steps_per_call.py). The
-  state is donated."""
-  step = train_step(cfg, task, tx, schedule, shardings)
-  return jax.jit(lambda state, batches: jax.lax.scan(step, state, batches),
-                 in_shardings=(shardings, parallel.stacked(parallel.batch_sharding(mesh))),
+  metrics)` over the batches' leading axis (one entry per step, as are the metrics'); bitwise the
+  same steps one call each (tests/train/test_steps_per_call.py). A scan of the train step, or with
+  `overlapped(cfg)` the steps traced one after another, each knowing its position (DiLoCo issues a
+  fragment's sync outside any conditional, so the compiler may overlap its collective with the
+  steps until the one that applies it). The state is donated."""
+  step, k = train_step(cfg, task, tx, schedule, shardings), cfg.train.steps_per_call
+  if not overlapped(cfg):
+    call = lambda state, batches: jax.lax.scan(step, state, batches)
+  else:
+    def call(state, batches):
+      metrics = []
+      for i in range(k):
+        with jax.named_scope(f"call_step_{i}"), call_position(i, k):
+          state, step_metrics = step(state, jax.tree.map(lambda b: b[i], batches))
+        metrics.append(step_metrics)
+      return state, jax.tree.map(lambda *m: jnp.stack(m), *metrics)
+  return jax.jit(call, in_shardings=(shardings, parallel.stacked(parallel.batch_sharding(mesh))),
                  out_shardings=(shardings, None), donate_argnums=0)
+
+
+def overlapped(cfg) -> bool:
+  """Whether calls of train.steps_per_call steps trace each step at its position: streaming DiLoCo
+  with a delay (a sync applied `diloco.delay` steps after it is sent) whose sync period
+  (inner_steps / fragments) divides the call. Such calls start at step counts divisible by their
+  length (train/calls.py)."""
+  d, k = cfg.diloco, cfg.train.steps_per_call
+  return bool(k > 1 and d.inner_steps and d.delay and k % (d.inner_steps // d.fragments) == 0)
 
 
 def manual_specs(shardings, axis: str):
@@ -155,9 +177,10 @@ def init_params(path: str, like, step: int | None = None):
           leaf.shape, leaf.sharding, lambda index: np.asarray(got[key][index], leaf.dtype)), like)
 
 
-def abstract_step(cfg, devices=None):
+def abstract_step(cfg, devices=None, call: bool = False):
   """(jitted train step, abstract state, abstract batch, mesh) of a validated `cfg`, allocating
-  nothing: what `comm` counts bytes in and what the planner is checked against. Lower it inside
+  nothing: what `comm` counts bytes in and what the planner is checked against. With `call`, the
+  call of train.steps_per_call steps (compile_call) and its batches instead. Lower it inside
   `parallel.activate(mesh, cfg.mesh.rules)`."""
   devices = jax.devices() if devices is None else devices
   mesh, task, tx, schedule = build(cfg, "", devices)
@@ -176,5 +199,9 @@ def abstract_step(cfg, devices=None):
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        state_lib.abstract_state(task, tx), shardings)
   with parallel.activate(mesh, cfg.mesh.rules):
-    train_fn, _ = compile_steps(cfg, mesh, task, tx, schedule, shardings)
-  return train_fn, state, batch, mesh
+    if not call:
+      return compile_steps(cfg, mesh, task, tx, schedule, shardings)[0], state, batch, mesh
+    k = cfg.train.steps_per_call
+    batches = {name: jax.ShapeDtypeStruct((k, *b.shape), b.dtype, sharding=parallel.stacked(batch_sh))
+               for name, b in batch.items()}
+    return compile_call(cfg, mesh, task, tx, schedule, shardings), state, batches, mesh

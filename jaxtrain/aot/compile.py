@@ -147,6 +147,18 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
                   ragged_flops=ragged_flops, host=host)
 
 
+def scheduled_hlo(cfg, target: str) -> str:
+  """The compiled module (its text, instructions in schedule order: parallel.hlo_schedule) of
+  `cfg`'s call of train.steps_per_call steps for `target` (its single step when that is 1)."""
+  spec = targets_lib.parse(target)
+  devices = targets_lib.devices(spec)
+  config_lib.validate(cfg, len(devices))
+  with platform.target(spec.platform):
+    fn, state, batch, mesh = builder.abstract_step(cfg, devices, call=cfg.train.steps_per_call > 1)
+    with parallel.activate(mesh, cfg.mesh.rules):
+      return fn.lower(state, batch).compile().as_text()
+
+
 def _model_flops(cfg) -> float:
   """Matmul FLOPs of one step of the whole model (forward + backward, no recomputation)."""
   m = ModelConfig.from_config(cfg.model)

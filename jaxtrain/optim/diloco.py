@@ -22,6 +22,8 @@ params. In this SPMD simulation the missing replica still joins the collective w
 nothing blocks.
 """
 
+import contextlib
+import contextvars
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
@@ -45,6 +47,39 @@ class DilocoState(NamedTuple):
   count: jax.Array  # int32: inner steps taken
   syncs: jax.Array  # int32: fragment syncs sent
   missed_syncs: jax.Array  # int32: replica-syncs left out so far (all replicas)
+
+
+# (position of the step being traced in its call, the call's length): set while a call of several
+# steps is traced unrolled from a step count that is a multiple of its length (builder.compile_call)
+_POSITION = contextvars.ContextVar("diloco_call_position", default=None)
+
+
+@contextlib.contextmanager
+def call_position(i: int, length: int):
+  """Within: the step being traced is step `i` of a call of `length` steps that starts at an inner
+  step count divisible by `length`, so its count modulo any period dividing `length` is known while
+  tracing. A fragment's sync then issues outside any conditional, where the compiler may run its
+  collective beside the next steps' compute until the step that applies it (`delay` later)."""
+  token = _POSITION.set((i, length))
+  try:
+    yield
+  finally:
+    _POSITION.reset(token)
+
+
+def _phase(period: int) -> int | None:
+  """The traced step's new count modulo `period`, when known while tracing (call_position)."""
+  position = _POSITION.get()
+  if position is None or position[1] % period:
+    return None
+  return (position[0] + 1) % period
+
+
+def _when(pred, true_fn, false_fn, operand):
+  """lax.cond, or the branch itself when `pred` is known while tracing (a Python bool)."""
+  if isinstance(pred, bool):
+    return true_fn(operand) if pred else false_fn(operand)
+  return jax.lax.cond(pred, true_fn, false_fn, operand)
 
 
 def loss_params(opt_state):
@@ -98,8 +133,10 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
         layout.flatten(params) - layout.flatten(local), (fragment * size,), (size,))
     missed = dropped(syncs)
     keep = 1.0 - missed.astype(jnp.float32)
-    # counted once per `period` steps (parallel/hlo_bytes.py)
-    with jax.named_scope(f"comm_every_{period}"):
+    # counted once per `period` steps (parallel/hlo_bytes.py) where a conditional runs it that often;
+    # in a call traced at its positions each sync is in the program as often as it runs
+    scope = f"comm_every_{period}" if _phase(period) is None else "diloco_sync"
+    with jax.named_scope(scope):
       total = compress.reduce_flat(delta * keep, axis, fmt, block)[0]
       present = (collectives.psum(keep, (axis,)) if (drop is not None or drop_prob)
                  else jnp.float32(shards))
@@ -141,9 +178,10 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
         state.pending_missed)
     momentum, syncs, missed_syncs = state.momentum, state.syncs, state.missed_syncs
     fragment_of = lambda c: (c // period - 1) % fragments
+    phase = _phase(period)  # None: decided at run time
 
     if delay == 0:
-      due, k = count % period == 0, fragment_of(count)
+      due, k = (count % period == 0) if phase is None else phase == 0, fragment_of(count)
 
       def sync(args):
         momentum, syncs, missed_syncs, _ = args
@@ -151,7 +189,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
         updates, momentum = outer_step(layout, momentum, average, present, k)
         missed_syncs = missed_syncs + (shards - present).astype(jnp.int32)
         return updates, momentum, syncs + 1, missed_syncs, missed
-      updates, momentum, syncs, missed_syncs, missed = jax.lax.cond(
+      updates, momentum, syncs, missed_syncs, missed = _when(
           due, sync, lambda args: (zero, *args),
           (momentum, syncs, missed_syncs, jnp.zeros_like(missed_all[0])))
     else:
@@ -163,24 +201,27 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
         pending = jax.lax.dynamic_update_slice(pending, average, (j * size,))
         return (pending, weight.at[j].set(present), missed_all.at[j].set(missed), syncs + 1,
                 missed_syncs + (shards - present).astype(jnp.int32))
-      pending, weight, missed_all, syncs, missed_syncs = jax.lax.cond(
-          count % period == 0, issue, lambda args: args,
+      pending, weight, missed_all, syncs, missed_syncs = _when(
+          (count % period == 0) if phase is None else phase == 0, issue, lambda args: args,
           (pending, weight, missed_all, syncs, missed_syncs))
 
-      due = ((count - delay) % period == 0) & (count - delay >= period)
+      started = count - delay >= period  # no fragment lands in the first period
+      if phase is None:
+        due = ((count - delay) % period == 0) & started
+      else:
+        due = started if (phase - delay) % period == 0 else False
       k = fragment_of(count - delay)
       size = layout.padded // fragments
       land = lambda m: outer_step(layout, m, jax.lax.dynamic_slice(pending, (k * size,), (size,)),
                                   weight[k], k)
-      updates, momentum = jax.lax.cond(due, land, lambda m: (zero, m), momentum)
+      updates, momentum = _when(due, land, lambda m: (zero, m), momentum)
       missed = missed_all[k]
 
     # The new global params as the step's apply_updates makes them: the same add of the same
     # (conditional's output) buffers, outside the branch so that no multiply fuses into it (XLA
     # contracts a*b+c to an FMA).
     new_global = optax.apply_updates(params, updates)
-    local = jax.lax.cond(due, lambda l: rejoin(layout, l, new_global, missed, k), lambda l: l,
-                         local)
+    local = _when(due, lambda l: rejoin(layout, l, new_global, missed, k), lambda l: l, local)
     return updates, DilocoState(compress.mine(inner_state), compress.mine(local), momentum, pending,
                                 weight, compress.mine(missed_all), count, syncs, missed_syncs)
 

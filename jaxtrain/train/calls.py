@@ -8,9 +8,12 @@ up to such a step, when fewer than K remain before it, run one call each (the si
 compiled when first needed); so do the last steps of a run shorter than a whole call. Policies that
 decide by time or by what training looked like (checkpoint.every_seconds, adaptive tiers) are asked
 between calls. Every step's metrics come back (one entry per step) and are logged as before.
+Calls whose steps are traced at their positions (builder.overlapped: streaming DiLoCo with a delay)
+start only at steps divisible by their length; a run resumed elsewhere takes single steps up to
+the next such step.
 """
 
-from jaxtrain import config as config_lib
+from jaxtrain import builder, config as config_lib
 from jaxtrain.config import eval as eval_config
 
 
@@ -27,7 +30,7 @@ def size(step: int, cfg, every: tuple[int, ...]) -> int:
   """How many steps the call after `step` (the steps done) runs: train.steps_per_call, or 1 when
   a step it would pass through (not its last) needs the state, or the run ends within it."""
   k = cfg.train.steps_per_call
-  if k == 1 or step + k > cfg.train.steps:
+  if k == 1 or step + k > cfg.train.steps or (builder.overlapped(cfg) and step % k):
     return 1
   inner = range(step + 1, step + k)
   return 1 if any(n % e == 0 for e in every for n in inner) else k
