@@ -116,3 +116,20 @@ def test_tasks_that_build_batches_from_the_params_are_refused(tmp_path):
       validate(tiny_config(train=dict(steps_per_call=2, task=task)), 8)
   with pytest.raises(ConfigError, match=r"train.steps_per_call must be positive"):
     validate(tiny_config(train=dict(steps_per_call=0)), 8)
+
+
+def test_calls_traced_at_their_positions_start_at_multiples_of_their_length():
+  # streaming DiLoCo (period 4 / 2 = 2, delay 1) in calls of 4: traced step by step, from multiples of 4 only
+  cfg = tiny_config(train=dict(steps=20, steps_per_call=4), mesh=dict(replica=4, data=2),
+                    checkpoint=dict(every_steps=6, health_every_steps=0),
+                    diloco=dict(inner_steps=4, fragments=2, delay=1))
+  assert builder.overlapped(cfg)
+  step, sizes = 0, []
+  while step < cfg.train.steps:
+    sizes.append(calls.size(step, cfg, calls.intervals(cfg)))
+    step += sizes[-1]
+  # 1-4, then 5 and 6 singly (a save at 6), 7 and 8 singly (up to the next multiple of 4), 9-12 (a save at its
+  # last step), 13-16, 17 and 18 singly (a save at 18), 19 and 20 (the run ends before a whole call)
+  assert sizes == [4, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1]
+  assert not builder.overlapped(tiny_config(train=dict(steps_per_call=3), diloco=dict(inner_steps=4, fragments=2,
+                                                                                      delay=1)))
