@@ -11,8 +11,8 @@ per output channel (model/lora.py `Int8`; QLoRA-style): a quarter of a float32 b
 in the state, requantized from the source at every refill, and dequantized in the step before the
 merge; the adapters are trained against the dequantized base, which is then the model's base (the
 reference too, and what load_params merges into). Params that the inner task does not load from
-checkpoint.init_from (PPO's value head) are trained in full beside the adapters. A task's frozen reference (task_state["reference"]: DPO,
-GRPO, PPO) is the base itself, with no second copy.
+checkpoint.init_from (PPO's value head) are trained in full beside the adapters. A task's frozen
+reference (task_state["reference"]: DPO, GRPO, PPO) is the base itself, with no second copy.
 """
 
 import flax.serialization

@@ -10,9 +10,10 @@ else validation_split; few-shot examples from fewshot_split, else training_split
 validation_split, else the test docs, a doc dropped from its own examples only where fewshot_split
 equals test_split (lm-eval's rule); `num_fewshot` is the task's own count (a caller's num_fewshot
 overrides it), `description` (a field or template) goes before each doc's examples, and
-`fewshot_config: {sampler: default | first_n}` picks how examples are drawn. Anything else (!function,
-process_docs, a remote dataset_path, filter_list, ...) is one ConfigError line naming the file, line and key; nothing is downloaded. Without jinja2 installed,
-templates may only substitute fields ("{{question}}")."""
+`fewshot_config: {sampler: default | first_n}` picks how examples are drawn. Anything else
+(!function, process_docs, a remote dataset_path, filter_list, ...) is one ConfigError line naming
+the file, line and key; nothing is downloaded. Without jinja2 installed, templates may only
+substitute fields ("{{question}}")."""
 
 import ast
 import os
