@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxtrain
-from jaxtrain import builder, checkpoint, metrics
+from jaxtrain import builder, checkpoint, parallel
+from jaxtrain.core import state as state_lib
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.core.lm import LanguageModel
 from jaxtrain.train import calls
@@ -63,7 +64,7 @@ def test_call_sizes_end_where_the_state_is_needed():
   assert calls.size(0, tiny_config(train=dict(steps=20)), every) == 1  # the default: one step a call
 
 
-@pytest.mark.slow  # two runs and three compiles; the resume test below checks calls against single steps by default
+@pytest.mark.slow  # two runs and three compiles
 def test_calls_are_bitwise_single_steps_with_a_save_between(tmp_path):
   cfg = tiny_config(train=dict(steps=10), checkpoint=dict(every_steps=6))
   calls_cfg = tiny_config(train=dict(steps=10, steps_per_call=4), checkpoint=dict(every_steps=6))
@@ -72,6 +73,28 @@ def test_calls_are_bitwise_single_steps_with_a_save_between(tmp_path):
   assert saved == [6, 10]
 
 
+def test_a_call_is_bitwise_its_steps_one_call_each():
+  """The programs alone (no loop): 4 steps of tiny on 8 devices, one call each and in one call of 4."""
+  cfg = tiny_config(train=dict(steps_per_call=4))
+  mesh, task, tx, schedule = builder.build(cfg, "")
+  feed = parallel.Feed(task.batch_size, parallel.batch_sharding(mesh))
+  source = task.batches("train", feed.lo, feed.hi)
+  rows = [next(source) for _ in range(4)]
+  with parallel.activate(mesh, cfg.mesh.rules):
+    one, shardings = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)
+    step = builder.compile_steps(cfg, mesh, task, tx, schedule, shardings)[0]
+    losses = []
+    for row in rows:
+      one, step_metrics = step(one, feed.put(row))
+      losses.append(float(step_metrics["loss"]))
+    many = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)[0]
+    many, call_metrics = builder.compile_call(cfg, mesh, task, tx, schedule, shardings)(many, feed.put_many(rows))
+  assert np.asarray(call_metrics["loss"]).tolist() == losses
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.params), jax.device_get(many.params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.opt_state), jax.device_get(many.opt_state))
+
+
+@pytest.mark.slow  # three runs; the programs' own bitwise test above runs by default
 def test_a_run_resumed_in_calls_equals_the_uninterrupted_run_of_single_steps(tmp_path):
   cfg = tiny_config(train=dict(steps=10), checkpoint=dict(every_steps=6))
   calls_cfg = tiny_config(train=dict(steps=10, steps_per_call=3), checkpoint=dict(every_steps=6))
