@@ -202,6 +202,7 @@ def abstract_step(cfg, devices=None, call: bool = False):
     if not call:
       return compile_steps(cfg, mesh, task, tx, schedule, shardings)[0], state, batch, mesh
     k = cfg.train.steps_per_call
-    batches = {name: jax.ShapeDtypeStruct((k, *b.shape), b.dtype, sharding=parallel.stacked(batch_sh))
+    stacked = parallel.stacked(batch_sh)
+    batches = {name: jax.ShapeDtypeStruct((k, *b.shape), b.dtype, sharding=stacked)
                for name, b in batch.items()}
     return compile_call(cfg, mesh, task, tx, schedule, shardings), state, batches, mesh

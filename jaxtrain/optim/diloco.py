@@ -133,8 +133,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: str, shards: int, inner
         layout.flatten(params) - layout.flatten(local), (fragment * size,), (size,))
     missed = dropped(syncs)
     keep = 1.0 - missed.astype(jnp.float32)
-    # counted once per `period` steps (parallel/hlo_bytes.py) where a conditional runs it that often;
-    # in a call traced at its positions each sync is in the program as often as it runs
+    # counted once per `period` steps (parallel/hlo_bytes.py) where a conditional runs it that
+    # often; in a call traced at its positions each sync is in the program as often as it runs
     scope = f"comm_every_{period}" if _phase(period) is None else "diloco_sync"
     with jax.named_scope(scope):
       total = compress.reduce_flat(delta * keep, axis, fmt, block)[0]

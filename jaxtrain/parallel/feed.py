@@ -24,31 +24,26 @@ class Feed:
 
   def put(self, local: dict) -> dict:
     """{key: this process's rows [hi - lo, ...]} -> {key: global [batch_size, ...] jax.Array}."""
-    def place(x):
-      x = np.asarray(x)
-      shape = (self.batch_size, *x.shape[1:])
-      shards = [
-          jax.device_put(
-              x[(r.start or 0) - self.lo:(self.batch_size if r.stop is None else r.stop) - self.lo],
-              d) for d, r in self._rows.items()
-      ]
-      return jax.make_array_from_single_device_arrays(shape, self.sharding, shards)
-    return {k: place(v) for k, v in local.items()}
+    return {k: self._place(np.asarray(v), self.sharding) for k, v in local.items()}
 
   def put_many(self, locals_: list[dict]) -> dict:
     """Several batches' rows ([hi - lo, ...] each) -> {key: global [len(locals_), batch_size, ...]
     jax.Array}, the steps' axis whole on every device (a call of several steps)."""
     sharding = mesh_lib.stacked(self.sharding)
-    def place(xs):
-      x = np.stack([np.asarray(v) for v in xs])
-      shape = (len(xs), self.batch_size, *x.shape[2:])
-      shards = [
-          jax.device_put(
-              x[:, (r.start or 0) - self.lo:(self.batch_size if r.stop is None else r.stop) - self.lo],
-              d) for d, r in self._rows.items()
-      ]
-      return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-    return {k: place([local[k] for local in locals_]) for k in locals_[0]}
+    return {k: self._place(np.stack([np.asarray(local[k]) for local in locals_]), sharding, 1)
+            for k in locals_[0]}
+
+  def _place(self, x: np.ndarray, sharding, axis: int = 0):
+    """`x`, this process's rows along `axis`, as the global array laid out by `sharding`."""
+    shape = (*x.shape[:axis], self.batch_size, *x.shape[axis + 1:])
+    lead = (slice(None),) * axis
+    shards = [
+        jax.device_put(
+            x[(*lead, slice((r.start or 0) - self.lo,
+                            (self.batch_size if r.stop is None else r.stop) - self.lo))], d)
+        for d, r in self._rows.items()
+    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
   def batch(self, source, index: int) -> dict:
     """Global batch `index` of a random-access source (synthetic, bytes:

@@ -1,8 +1,8 @@
 """What runs while an asynchronous collective is in flight, read off a compiled module's schedule.
 
 A compiled module (`jit(f).lower(...).compile().as_text()`, `is_scheduled=true`) lists each
-computation's instructions in the order they run. An asynchronous collective is a pair, `X-start` and
-`X-done` (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute); what the schedule
+computation's instructions in the order they run. An asynchronous collective is a pair, `X-start`
+and `X-done` (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute); what the schedule
 puts between them runs while its bytes travel. `spans(text)` gives, for every such pair of a
 computation, the instructions in between; `Span.compute` keeps the fusions and other kernels among
 them (the work that may hide the transfer). XLA:GPU makes collectives asynchronous by default;

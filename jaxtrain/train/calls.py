@@ -1,4 +1,5 @@
-"""Several optimizer steps per jitted call (train.steps_per_call = K): how many steps each call runs.
+"""Several optimizer steps per jitted call (train.steps_per_call = K): how many steps each call
+runs.
 
 A call of K steps is one program, a scan of the train step over K batches fed together
 (builder.compile_call), bitwise the K steps one call each; it dispatches once instead of K times.

@@ -127,8 +127,9 @@ def format_report(rep: dict) -> str:
                f"over {a}: the config sends nothing (the baseline {base['reduced']:,.0f} bytes)")
   if config["sync"]:
     lines.append(f"largest single sync: {config['sync']:,.0f} bytes per device, once every "
-                 f"{config['sync_every']} steps; the step that sends it: {config['peak_step']:,.0f} "
-                 f"(the baseline's every step: {base['peak_step']:,.0f})")
+                 f"{config['sync_every']} steps; the step that sends it: "
+                 f"{config['peak_step']:,.0f} (the baseline's every step: "
+                 f"{base['peak_step']:,.0f})")
   return "\n".join(lines)
 
 

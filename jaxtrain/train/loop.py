@@ -162,8 +162,8 @@ def _train(cfg, rows, start_over, goodput, workdir, task, devices, progress, syn
     loop.startup = startup if resumed else None
     goodput.charge("init")  # jitting, the peak FLOP/s probe
 
-    # ---- loop: dispatch the call of step n (of steps n..n+k-1: train.steps_per_call), then read the
-    # previous call's metrics; SIGTERM/SIGINT: save and stop ----
+    # ---- loop: dispatch the call of step n (steps n..n+k-1: train.steps_per_call), then read
+    # the previous call's metrics; SIGTERM/SIGINT: save and stop ----
     loop.preemption = stack.enter_context(Preemption())
     every = calls.intervals(cfg)
     while loop.step < cfg.train.steps:
@@ -285,7 +285,8 @@ class Loop:
     try:
       rows = []
       for n in range(self.step + 1, self.step + 1 + k):
-        rows.append(poisoned(next(self.train_iter)) if n in self.nan_steps else next(self.train_iter))
+        local = next(self.train_iter)
+        rows.append(poisoned(local) if n in self.nan_steps else local)
       self.goodput.charge("data")
       if k > 1:
         return self.feed.put_many(rows)

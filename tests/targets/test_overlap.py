@@ -24,14 +24,16 @@ def config(steps_per_call: int, fmt: str = "f32"):
   """configs/tiny.py's model on 8 replicas; XLA attention (the Pallas kernel's per-shard map does not
   nest in DiLoCo's manual replica axis on GPU)."""
   return tiny_config(
-      mesh=dict(replica=REPLICAS, data=8 // REPLICAS), train=dict(steps=100, batch_size=16, steps_per_call=steps_per_call),
+      mesh=dict(replica=REPLICAS, data=8 // REPLICAS),
+      train=dict(steps=100, batch_size=16, steps_per_call=steps_per_call),
       model=dict(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384,
                  max_seq_len=256, attention="xla"),
       diloco=dict(inner_steps=4, fragments=2, delay=1, format=fmt))
 
 
 def sync_spans(text: str) -> list:
-  return [s for s in hlo_schedule.spans(text) if "diloco_sync" in s.start.op_name or "comm_every" in s.start.op_name]
+  return [s for s in hlo_schedule.spans(text)
+          if "diloco_sync" in s.start.op_name or "comm_every" in s.start.op_name]
 
 
 @pytest.mark.parametrize("fmt", ["f32", "int8"])

@@ -12,22 +12,15 @@ import numpy as np
 import pytest
 
 import jaxtrain
-from jaxtrain import builder, checkpoint, parallel
+from jaxtrain import builder, parallel
 from jaxtrain.core import state as state_lib
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.core.lm import LanguageModel
 from jaxtrain.train import calls
 from tests.fixtures import tiny_config
+from tests.train.test_comm_train import restored
 
 COLUMNS = ("loss", "grad_norm", "param_norm", "update_norm", "lr")
-
-
-def final_state(cfg, workdir):
-  mesh, task, tx, _ = builder.build(cfg, workdir)
-  ckpts = checkpoint.Checkpoints(cfg.checkpoint, workdir, read_only=True)
-  state = builder.restore_state(ckpts, task, tx, mesh, cfg.mesh.rules)[0]
-  ckpts.close()
-  return jax.device_get(state)
 
 
 def rows(workdir):
@@ -45,7 +38,7 @@ def assert_bitwise(cfg, calls_cfg, tmp_path):
   jaxtrain.train(calls_cfg, many, progress=False)
   assert step_rows(many) == step_rows(one)  # floats from JSON: equal means bitwise equal float32 values
   assert len(step_rows(many)) == cfg.train.steps  # log_every=1: every step of every call has its row
-  a, b = final_state(cfg, one), final_state(cfg, many)
+  a, b = restored(cfg, one), restored(cfg, many)
   jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
   jax.tree.map(np.testing.assert_array_equal, a.opt_state, b.opt_state)
   return one, many
@@ -88,7 +81,8 @@ def test_a_call_is_bitwise_its_steps_one_call_each():
       one, step_metrics = step(one, feed.put(row))
       losses.append(float(step_metrics["loss"]))
     many = state_lib.create_state(task, tx, cfg.train.seed, mesh, cfg.mesh.rules)[0]
-    many, call_metrics = builder.compile_call(cfg, mesh, task, tx, schedule, shardings)(many, feed.put_many(rows))
+    call = builder.compile_call(cfg, mesh, task, tx, schedule, shardings)
+    many, call_metrics = call(many, feed.put_many(rows))
   assert np.asarray(call_metrics["loss"]).tolist() == losses
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.params), jax.device_get(many.params))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.opt_state), jax.device_get(many.opt_state))
@@ -105,7 +99,7 @@ def test_a_run_resumed_in_calls_equals_the_uninterrupted_run_of_single_steps(tmp
   os.remove(os.path.join(resumed, "metrics.jsonl"))
   jaxtrain.train(calls_cfg, resumed, progress=False)  # from step 6: a call of 7-9, then 10 alone
   assert step_rows(resumed) == {s: r for s, r in step_rows(straight).items() if s > 6}
-  a, b = final_state(cfg, straight), final_state(cfg, resumed)
+  a, b = restored(cfg, straight), restored(cfg, resumed)
   jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
   jax.tree.map(np.testing.assert_array_equal, a.opt_state, b.opt_state)
 
