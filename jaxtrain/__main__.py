@@ -104,6 +104,10 @@ def parse(argv):
   comm.add_argument(
       "--project", action="store_true",
       help="also a projected (modelled, not measured) utilization on 1/10/100 Gbit/s links")
+  comm.add_argument("--target", default=None, metavar="KIND:SHAPE",
+                    help="compile for a TPU slice or GPUs (as compile takes them) and split the "
+                         "bytes into those that overlap compute in its schedule and those exposed; "
+                         "the projection then hides only what the schedule overlaps")
   plan = sub.add_parser("plan", help="predict per-device memory and step time of a config on a "
                                      "mesh, before any run (nothing compiled, no devices needed)")
   plan.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
@@ -325,7 +329,7 @@ def main(argv=None) -> int:
       return _prepare(cfg, args.workdir)
     if args.command == "comm":
       from jaxtrain.train import comm
-      print(comm.run(cfg, projection=args.project))
+      print(comm.run(cfg, projection=args.project, target=args.target))
       return 0
     if args.command in ("convert", "inspect"):
       os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host-side work: leave accelerators alone

@@ -11,11 +11,13 @@ copies to the host's memory, and the time to lower and compile.
 When the compiler refuses the program for want of memory, `fits` is False and `refusal` says what it
 needed. Compiled is not executed: nothing here runs a step."""
 
+import contextlib
 import dataclasses
 import math
 import re
 import time
 
+import jax
 from jax.extend import core as jax_core
 
 from jaxtrain import builder, config as config_lib, metrics, parallel
@@ -149,14 +151,26 @@ def compile_for(cfg, target: str, config_name: str = "") -> Compiled:
 
 def scheduled_hlo(cfg, target: str) -> str:
   """The compiled module (its text, instructions in schedule order: parallel.hlo_schedule) of
-  `cfg`'s call of train.steps_per_call steps for `target` (its single step when that is 1)."""
-  spec = targets_lib.parse(target)
-  devices = targets_lib.devices(spec)
+  `cfg`'s call of train.steps_per_call steps for `target` (its single step when that is 1), with
+  the compiler's defaults."""
+  return scheduled(cfg, target, async_flags=False)[0]
+
+
+def scheduled(cfg, target: str | None = None, devices=None, async_flags: bool = True):
+  """(compiled module text, mesh, abstract state, optimizer steps the module runs) of `cfg`'s call
+  of train.steps_per_call steps (its single step when that is 1), for `target` (deviceless) or
+  else on `devices` (default: this host's). For a target, `async_flags` compiles with the
+  asynchronous-collective flags large runs set there (targets.ASYNC_FLAGS)."""
+  spec = targets_lib.parse(target) if target else None
+  devices = targets_lib.devices(spec) if spec else (devices or jax.devices())
   config_lib.validate(cfg, len(devices))
-  with platform.target(spec.platform):
-    fn, state, batch, mesh = builder.abstract_step(cfg, devices, call=cfg.train.steps_per_call > 1)
+  k = cfg.train.steps_per_call
+  options = targets_lib.ASYNC_FLAGS[spec.platform] if spec and async_flags else {}
+  with platform.target(spec.platform) if spec else contextlib.nullcontext():
+    fn, state, batch, mesh = builder.abstract_step(cfg, devices, call=k > 1)
     with parallel.activate(mesh, cfg.mesh.rules):
-      return fn.lower(state, batch).compile().as_text()
+      text = fn.lower(state, batch).compile(compiler_options=options).as_text()
+  return text, mesh, state, k
 
 
 def _model_flops(cfg) -> float:

@@ -48,6 +48,26 @@ CHIPS = {
     "h200": Chip("h200", "gpu", "NVIDIA H200"),
 }
 GPUS_PER_HOST = 8
+# The asynchronous-collective flags MaxText's GPU and TPU recipes set, passed as compile options.
+# XLA:GPU's defaults (jax 0.10.2's CUDA plugin) run an FSDP layer scan's all-gathers and
+# reduce-scatters with no matmul beside them; with these the loop is double-buffered and the
+# next layer's gathers pipelined behind this layer's matmuls. XLA:TPU (libtpu 0.0.42.1) already
+# fuses FSDP's all-gathers into asynchronous collective fusions by default; the flags change
+# nothing measured here (benchmarks/RESULTS.md, "Exposed and hidden communication").
+ASYNC_FLAGS = {
+    "gpu": {"xla_gpu_enable_latency_hiding_scheduler": True,
+            "xla_gpu_enable_pipelined_all_gather": True,
+            "xla_gpu_enable_pipelined_reduce_scatter": True,
+            "xla_gpu_enable_pipelined_all_reduce": True,
+            "xla_gpu_enable_while_loop_double_buffering": True},
+    "tpu": {"xla_tpu_enable_async_collective_fusion": True,
+            "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+            "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+            "xla_tpu_overlap_compute_collective_tc": True,
+            "xla_enable_async_all_gather": True,
+            "xla_tpu_enable_data_parallel_all_reduce_opt": True,
+            "xla_tpu_data_parallel_opt_different_sized_ops": True},
+}
 EXTRAS = {"tpu": "tpu", "gpu": "cuda"}
 
 

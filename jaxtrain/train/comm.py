@@ -15,11 +15,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxtrain import config as config_lib, config_files, metrics as metrics_lib, parallel
-from jaxtrain.builder import abstract_step
+from jaxtrain import config as config_lib, config_files, metrics as metrics_lib
+from jaxtrain.aot import compile as aot_compile
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.transformer import param_count
-from jaxtrain.parallel import hlo_bytes
+from jaxtrain.parallel import hlo_bytes, hlo_schedule
 
 # Dense bf16 peak of one H200 (NVIDIA H200 datasheet, no sparsity), from the table in
 # jaxtrain/metrics.py.
@@ -30,17 +30,7 @@ PROJECTION_MODELS = ("gpt2_small", "llama_1b", "llama_8b")
 def step_hlo(cfg, devices=None) -> tuple[str, jax.sharding.Mesh]:
   """(compiled HLO text of the train step of `cfg`, its mesh), compiled on abstract state and
   batch."""
-  return _compile(cfg, devices)[:2]
-
-
-def _compile(cfg, devices=None):
-  """(HLO text, mesh, number of parameters) of the train step of `cfg`."""
-  devices = jax.devices() if devices is None else devices
-  config_lib.validate(cfg, len(devices))
-  train_fn, state, batch, mesh = abstract_step(cfg, devices)
-  with parallel.activate(mesh, cfg.mesh.rules):
-    text = train_fn.lower(state, batch).compile().as_text()
-  return text, mesh, sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  return aot_compile.scheduled(cfg, devices=devices)[:2]
 
 
 def baseline_overrides(cfg) -> dict:
@@ -74,36 +64,60 @@ def with_overrides(cfg, overrides: dict):
   return cfg
 
 
-def measure(cfgs: list, devices=None) -> list[dict]:
-  """For each config, the bytes per device per optimizer step of its step: by (axes, dtype), in all,
-  and over its reduced axis (every collective whose groups span it); and its parameter count. Equal
-  configs are compiled once."""
+def measure(cfgs: list, devices=None, target: str | None = None) -> list[dict]:
+  """For each config, the bytes per device per optimizer step of its step (its call of
+  train.steps_per_call steps, per step): by (axes, dtype), in all, and over its reduced axis (every
+  collective whose groups span it); its parameter count; and from the compiled schedule (on
+  `target`, deviceless, else this host's devices), how much of the reduced axis's bytes overlap
+  compute. Equal configs are compiled once."""
   keys, done = [json.dumps(cfg.to_dict(), sort_keys=True, default=str) for cfg in cfgs], {}
   for key, cfg in zip(keys, cfgs):
     if key not in done:
-      text, mesh, n = _compile(cfg, devices)
-      rows = hlo_bytes.collectives(text, mesh)
-      axis = reduced_axis(cfg)
-      periodic = hlo_bytes.syncs(rows)
-      every, sync = max(periodic.items(), key=lambda item: item[1], default=(1, 0.0))
-      done[key] = {"by_axis": hlo_bytes.by_axis(rows), "total": hlo_bytes.total(rows), "params": n,
-                   "reduced": sum(r.per_step for r in rows if axis in r.axes),
+      text, mesh, state, k = aot_compile.scheduled(cfg, target, devices)
+      rows, win = hlo_bytes.collectives(text, mesh), hlo_schedule.windows(text)
+      axis, step_flops = reduced_axis(cfg), win.flops / k
+      reduced = [r for r in rows if axis in r.axes]
+      # per reduced-axis collective: (bytes per step, times it runs per step, the steps of matmul
+      # work the schedule runs while one of its transfers is in flight)
+      parts = [(r.per_step / k, r.runs / r.every / k,
+                win.of(r.name) / step_flops if step_flops else 0.0) for r in reduced]
+      period = {}  # a periodic sync's bytes per step, by its period in steps
+      for r in rows:
+        every = (cfg.diloco.inner_steps // max(cfg.diloco.fragments, 1)
+                 if "diloco_sync" in r.op_name else r.every)
+        if every > 1:
+          period[every] = period.get(every, 0.0) + r.per_step / k
+      every, average = max(period.items(), key=lambda item: item[0] * item[1], default=(1, 0.0))
+      split = {}  # mesh axes -> [bytes per step, of them overlapping compute]
+      for r in rows:
+        entry = split.setdefault(hlo_bytes.axes_str(r.axes), [0.0, 0.0])
+        entry[0] += r.per_step / k
+        entry[1] += r.per_step / k if win.of(r.name) > 0 else 0.0
+      done[key] = {"by_axis": {key_: b / k for key_, b in hlo_bytes.by_axis(rows).items()},
+                   "total": hlo_bytes.total(rows) / k,
+                   "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)),
+                   "reduced": sum(b for b, _, _ in parts),
+                   "overlapped": sum(b for b, _, w in parts if w > 0), "parts": parts,
+                   "flops": step_flops,  # matmul FLOPs per device per step, compiled
+                   "overlap_by_axes": {a: tuple(v) for a, v in split.items() if v[0]},
                    # the largest periodic sync, once every `sync_every` steps, and the step that
                    # sends it (with everything sent every step)
-                   "sync": sync, "sync_every": every,
-                   "peak_step": sum(r.per_step for r in rows if r.every == 1) + sync}
+                   "sync": average * every, "sync_every": every,
+                   "peak_step": hlo_bytes.total(rows) / k - sum(period.values()) +
+                                average * every}
   return [done[key] for key in keys]
 
 
-def report(cfg, devices=None) -> dict:
+def report(cfg, devices=None, target: str | None = None) -> dict:
   """Bytes per device per optimizer step of `cfg` and of its float32 data-parallel baseline, and
   baseline / config over the reduced axis (None when the config sends nothing over it)."""
-  return _report(cfg, *measure([cfg, baseline(cfg)], devices))
+  return _report(cfg, *measure([cfg, baseline(cfg)], devices, target), target)
 
 
-def _report(cfg, config: dict, base: dict) -> dict:
+def _report(cfg, config: dict, base: dict, target: str | None = None) -> dict:
   ratio = base["reduced"] / config["reduced"] if config["reduced"] else None
-  return {"axis": reduced_axis(cfg), "config": config, "baseline": base, "ratio": ratio}
+  return {"axis": reduced_axis(cfg), "config": config, "baseline": base, "ratio": ratio,
+          "target": target}
 
 
 def format_report(rep: dict) -> str:
@@ -130,6 +144,14 @@ def format_report(rep: dict) -> str:
                  f"{config['sync_every']} steps; the step that sends it: "
                  f"{config['peak_step']:,.0f} (the baseline's every step: "
                  f"{base['peak_step']:,.0f})")
+  if rep.get("target"):
+    lines.append(f"over {a}, in {rep['target']}'s compiled schedule: " + "; ".join(
+        f"{name} {m['overlapped']:,.0f} overlap compute, {m['reduced'] - m['overlapped']:,.0f} "
+        "exposed" for name, m in (("config", config), ("baseline", base))) +
+        " (overlap: asynchronous, with matmuls between its start and done)")
+    lines.append("config, by mesh axes: " + "; ".join(
+        f"{axes} {hidden:,.0f} overlap compute, {b - hidden:,.0f} exposed"
+        for axes, (b, hidden) in sorted(config["overlap_by_axes"].items())))
   return "\n".join(lines)
 
 
@@ -146,23 +168,41 @@ def default_schemes(cfg) -> list[Scheme]:
   return [Scheme("f32 data-parallel", baseline_overrides(cfg)), Scheme("this config", {})]
 
 
-def run(cfg, projection: bool = False, schemes: list[Scheme] | None = None, devices=None) -> str:
+def run(cfg, projection: bool = False, schemes: list[Scheme] | None = None, devices=None,
+        target: str | None = None) -> str:
   """What `python -m jaxtrain comm` prints: the report, and with `projection` the projected
   utilization of each scheme (default: the f32 baseline and this config) from its bytes per
   parameter over the reduced axis, measured on this config's mesh (an all-reduce's 2 (R-1)/R is its
-  replica count's)."""
+  replica count's). With `target` the steps are compiled for it (deviceless), and what each
+  collective may hide behind is read off its compiled schedule instead of the schemes' declared
+  overlap_steps."""
   schemes = default_schemes(cfg) if schemes is None else schemes
   cfgs = [cfg, baseline(cfg)] + ([with_overrides(cfg, s.overrides) for s in schemes]
                                  if projection else [])
-  measured = measure(cfgs, devices)
-  text = format_report(_report(cfg, *measured[:2]))
+  measured = measure(cfgs, devices, target)
+  text = format_report(_report(cfg, *measured[:2], target))
   if projection:
     per_param = {s.name: m["reduced"] / m["params"] for s, m in zip(schemes, measured[2:])}
-    rows = project(per_param, overlap_steps={s.name: s.overlap_steps for s in schemes})
+    parts = {s.name: [(b / m["params"], times, window) for b, times, window in m["parts"]]
+             for s, m in zip(schemes, measured[2:])} if target else None
+    rows = project(per_param, overlap_steps={s.name: s.overlap_steps for s in schemes},
+                   parts=parts)
     text += (f"\n\nbytes per parameter per step over {reduced_axis(cfg)}, measured: " +
              ", ".join(f"{name} {b:.3g}" for name, b in per_param.items()) + "\n" +
-             format_projection(rows))
+             format_projection(rows, target))
   return text
+
+
+def exposed_s(parts, params: float, gbit: float, step_s: float) -> float:
+  """Seconds per step a link of `gbit` Gbit/s adds to a step of `step_s` seconds of compute: each
+  collective's transfer (`parts`: bytes per parameter per step, times it runs per step, steps of
+  matmul work the schedule runs while it is in flight, as measure's "parts" over params) less the
+  compute beside it, never below zero."""
+  out = 0.0
+  for per_param, times, window in parts:
+    if times:
+      out += times * max(0.0, per_param * params * 8 / (gbit * 1e9) / times - window * step_s)
+  return out
 
 
 # ---- a model of what the bytes cost between replicas on slow links: stated, not measured ----
@@ -172,13 +212,15 @@ def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS
             bandwidths_gbit=(1, 10, 100), *, overlap_steps: dict[str, float] | None = None,
             mfu: float = 0.4, peak_flops: float = H200_BF16_FLOPS,
             step_time_s: dict[str, float] | None = None,
-            tokens_per_replica_step: int | None = None) -> list[dict]:
+            tokens_per_replica_step: int | None = None,
+            parts: dict[str, list] | None = None) -> list[dict]:
   """Projected compute utilization of each scheme for each model config and link bandwidth. A model:
 
   a replica is one GPU (`peak_flops`, default H200 dense bf16) running the config's batch per step,
   so T = 6 N tokens / (peak_flops x mfu) unless `step_time_s[model]` gives a measured step time; a
   replica sends bytes_per_param_per_step[scheme] x N bytes per optimizer step at the link's
-  bandwidth, of which `overlap_steps[scheme]` x T hide behind compute; utilization = T / (T +
+  bandwidth, of which `overlap_steps[scheme]` x T hide behind compute (or, given `parts[scheme]`,
+  measure's per-collective parts from a compiled schedule: exposed_s); utilization = T / (T +
   exposed)."""
   rows = []
   for model in models:
@@ -189,7 +231,10 @@ def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS
     for scheme, per_param in bytes_per_param_per_step.items():
       for gbit in bandwidths_gbit:
         comm = per_param * n * 8 / (gbit * 1e9)
-        exposed = max(0.0, comm - (overlap_steps or {}).get(scheme, 0.0) * t)
+        if parts and scheme in parts:
+          exposed = exposed_s(parts[scheme], n, gbit, t)
+        else:
+          exposed = max(0.0, comm - (overlap_steps or {}).get(scheme, 0.0) * t)
         rows.append({
             "scheme": scheme, "model": model, "gbit": gbit, "params": n, "compute_s": t,
             "comm_s": comm, "exposed_s": exposed, "utilization": t / (t + exposed)
@@ -197,13 +242,15 @@ def project(bytes_per_param_per_step: dict[str, float], models=PROJECTION_MODELS
   return rows
 
 
-def format_projection(rows: list[dict]) -> str:
+def format_projection(rows: list[dict], target: str | None = None) -> str:
   """A markdown table: a row per scheme, a column per model x bandwidth, utilization in percent."""
   columns = list(dict.fromkeys((r["model"], r["gbit"]) for r in rows))
   cell = {(r["scheme"], r["model"], r["gbit"]): r["utilization"] for r in rows}
+  hidden = (f"the compute {target}'s compiled schedule runs beside each transfer" if target else
+            "overlap x T")
   lines = ["Projected compute utilization (a model, not a measurement: T = 6 N tokens / "
            "(peak x mfu) per step, comm = bytes x 8 / bandwidth, utilization = T / "
-           "(T + max(0, comm - overlap x T)))", "",
+           f"(T + max(0, comm - {hidden})))", "",
            "| scheme | " + " | ".join(f"{m} {g:g} Gbit/s" for m, g in columns) + " |",
            "|---|" + "---:|" * len(columns)]
   for scheme in dict.fromkeys(r["scheme"] for r in rows):
