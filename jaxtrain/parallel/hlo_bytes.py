@@ -332,12 +332,22 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
       if kind in KINDS:
         rows.append(
             _row(name, shape, opcode, operands, attrs, shapes, runs[comp], mesh, replicas,
-                 partitions))
+                 partitions, _period(insts)))
   return rows
 
 
+def _period(insts: list) -> int:
+  """The `comm_every_N` period of a computation's named collectives when they all agree (else 1):
+  that of a collective a compiler pass wrote without metadata beside them (XLA:TPU rewrites the
+  all-gather of a DiLoCo sync's conditional branch into an all-reduce with no op_name)."""
+  periods = {every_of(m.group(1)) for _, _, opcode, _, attrs in insts
+             if opcode.removesuffix("-start") in KINDS
+             and (m := re.search(r'op_name="([^"]*)"', attrs))}
+  return periods.pop() if len(periods) == 1 else 1
+
+
 def _row(name, shape, opcode, operands, attrs, shapes, runs, mesh, replicas,
-         partitions) -> Collective:
+         partitions, period: int = 1) -> Collective:
   kind = opcode.removesuffix("-start")
   parts = [
       p for o in operands for p in shape_parts(o if "[" in o else shapes[o.split()[-1].lstrip("%")])
@@ -355,7 +365,7 @@ def _row(name, shape, opcode, operands, attrs, shapes, runs, mesh, replicas,
   for dtype, b in parts:
     by_dtype[dtype] = by_dtype.get(dtype, 0.0) + b
   return Collective(name, kind, tuple(d for d, _ in parts), operand_bytes, result_bytes, g,
-                    _axes(groups, mesh), every_of(op_name), runs, op_name,
+                    _axes(groups, mesh), every_of(op_name) if op_name else period, runs, op_name,
                     _FACTOR[kind](g) * counted, tuple(by_dtype.items()))
 
 

@@ -93,7 +93,7 @@ def test_group_ids_are_positions_in_the_mesh_not_device_ids():
   # the same groups {{0,2,4,6},{1,3,5,7}} for a mesh whose devices are in another order.
   mesh = mesh_of(jax.devices()[::-1])
   text = compiled(mesh)
-  assert "replica_groups={{0,2,4,6},{1,3,5,7}}" in text
+  assert "channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true" in text
   assert {r.axes for r in hlo_bytes.collectives(text, mesh)} == {("replica",)}
 
 
@@ -102,7 +102,7 @@ GROUPS = "channel_id=1, {groups}, use_global_device_ids=true, to_apply=%add"
 
 
 @pytest.mark.parametrize("groups, axes, size", [
-    ("replica_groups={{0,2,4,6},{1,3,5,7}}", ("replica",), 4),
+    ("channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true", ("replica",), 4),
     ("replica_groups=[2,4]<=[4,2]T(1,0)", ("replica",), 4),
     ("replica_groups=[4,2]<=[8]", ("data",), 2),
     ("replica_groups={}", ("replica", "data"), 8),
@@ -121,7 +121,7 @@ def test_every_replica_groups_form(groups, axes, size):
 
 
 def test_async_start_forms_and_inline_operand_shapes():
-  groups = GROUPS.format(groups="replica_groups={{0,2,4,6},{1,3,5,7}}")
+  groups = GROUPS.format(groups="channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true")
   text = HEADER + (
       "  %p = f32[8]{0} parameter(0)\n"
       f"  %ags = (f32[8]{{0}}, f32[32]{{0}}) all-gather-start(f32[8]{{0}} %p), {groups}, dimensions={{0}}\n"
@@ -172,3 +172,42 @@ def test_trip_count_read_off_a_loop_without_known_trip_count():
   assert hlo_bytes._runs(comps)["body"] == 5
   unreadable = TPU_LOOP.replace("direction=LT", "direction=NE")
   assert hlo_bytes._runs(hlo_bytes._computations(unreadable))["body"] == 1
+
+
+TPU_BRANCH = """HloModule m, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%sync (b: f32[64]) -> f32[64] {
+  %b = f32[64] parameter(0)
+  %a2a = f32[64] all-to-all(%b), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true, dimensions={0}, metadata={op_name="jit(step)/cond/branch_1_fun/comm_every_2/all_to_all"}
+  %dus = f32[64] add(%a2a, %a2a), metadata={op_name="jit(step)/cond/branch_1_fun/dynamic_update_slice"}
+  ROOT %all-reduce = f32[64] all-reduce(%dus), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true, to_apply=%add
+}
+
+%skip (c: f32[64]) -> f32[64] {
+  ROOT %c = f32[64] parameter(0)
+}
+
+ENTRY %main (p: s32[], v: f32[64]) -> f32[64] {
+  %p = s32[] parameter(0)
+  %v = f32[64] parameter(1)
+  ROOT %r = f32[64] conditional(%p, %v, %v), branch_computations={%skip, %sync}
+}
+"""
+
+
+def test_a_collective_written_without_metadata_takes_its_branchs_period():
+  """XLA:TPU rewrites a DiLoCo sync's all-gather into an all-reduce with no op_name, in the branch
+  where the sync's named all-to-all runs every 2 steps: both count once every 2 steps (read as every
+  step before, the sync's bytes per step were 2.5x those of the same sync on GPU)."""
+  mesh = mesh_of(jax.devices())
+  rows = {r.kind: r for r in hlo_bytes.collectives(TPU_BRANCH, mesh)}
+  assert rows["all-reduce"].op_name == "" and rows["all-reduce"].every == 2
+  assert rows["all-to-all"].every == 2
+  mixed = TPU_BRANCH.replace("comm_every_2/all_to_all", "all_to_all")
+  assert {r.every for r in hlo_bytes.collectives(mixed, mesh)} == {1}
