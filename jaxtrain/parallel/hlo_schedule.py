@@ -204,7 +204,7 @@ class _Flops:
       branches += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", attrs)
       return max((self.computation(b) for b in branches), default=0.0)
     if opcode in ("fusion", "call", "async-start"):
-      return sum(self.computation(c) for c in re.findall(r"\bcalls=%?([\w.\-]+)", attrs))
+      return sum(self.computation(c) for c in _callees(attrs))
     return 0.0
 
 

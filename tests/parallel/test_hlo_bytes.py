@@ -93,7 +93,7 @@ def test_group_ids_are_positions_in_the_mesh_not_device_ids():
   # the same groups {{0,2,4,6},{1,3,5,7}} for a mesh whose devices are in another order.
   mesh = mesh_of(jax.devices()[::-1])
   text = compiled(mesh)
-  assert "channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true" in text
+  assert "replica_groups={{0,2,4,6},{1,3,5,7}}" in text
   assert {r.axes for r in hlo_bytes.collectives(text, mesh)} == {("replica",)}
 
 
@@ -102,7 +102,7 @@ GROUPS = "channel_id=1, {groups}, use_global_device_ids=true, to_apply=%add"
 
 
 @pytest.mark.parametrize("groups, axes, size", [
-    ("channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true", ("replica",), 4),
+    ("replica_groups={{0,2,4,6},{1,3,5,7}}", ("replica",), 4),
     ("replica_groups=[2,4]<=[4,2]T(1,0)", ("replica",), 4),
     ("replica_groups=[4,2]<=[8]", ("data",), 2),
     ("replica_groups={}", ("replica", "data"), 8),
@@ -121,7 +121,7 @@ def test_every_replica_groups_form(groups, axes, size):
 
 
 def test_async_start_forms_and_inline_operand_shapes():
-  groups = GROUPS.format(groups="channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true")
+  groups = GROUPS.format(groups="replica_groups={{0,2,4,6},{1,3,5,7}}")
   text = HEADER + (
       "  %p = f32[8]{0} parameter(0)\n"
       f"  %ags = (f32[8]{{0}}, f32[32]{{0}}) all-gather-start(f32[8]{{0}} %p), {groups}, dimensions={{0}}\n"
@@ -184,9 +184,10 @@ TPU_BRANCH = """HloModule m, num_partitions=8
 
 %sync (b: f32[64]) -> f32[64] {
   %b = f32[64] parameter(0)
-  %a2a = f32[64] all-to-all(%b), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true, dimensions={0}, metadata={op_name="jit(step)/cond/branch_1_fun/comm_every_2/all_to_all"}
-  %dus = f32[64] add(%a2a, %a2a), metadata={op_name="jit(step)/cond/branch_1_fun/dynamic_update_slice"}
-  ROOT %all-reduce = f32[64] all-reduce(%dus), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true, to_apply=%add
+  %a2a = f32[64] all-to-all(%b), REPLICA, dimensions={0},
+      metadata={op_name="BRANCH/comm_every_2/all_to_all"}
+  %dus = f32[64] add(%a2a, %a2a), metadata={op_name="BRANCH/dynamic_update_slice"}
+  ROOT %all-reduce = f32[64] all-reduce(%dus), REPLICA, to_apply=%add
 }
 
 %skip (c: f32[64]) -> f32[64] {
@@ -198,7 +199,9 @@ ENTRY %main (p: s32[], v: f32[64]) -> f32[64] {
   %v = f32[64] parameter(1)
   ROOT %r = f32[64] conditional(%p, %v, %v), branch_computations={%skip, %sync}
 }
-"""
+""".replace(",\n      metadata", ", metadata").replace(
+    "BRANCH", "jit(step)/cond/branch_1_fun").replace(
+    "REPLICA", "channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, use_global_device_ids=true")
 
 
 def test_a_collective_written_without_metadata_takes_its_branchs_period():

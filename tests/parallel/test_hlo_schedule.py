@@ -76,10 +76,12 @@ DOT = 2 * 8 * 32 * 16  # one [8,16] x [16,32] matmul: 2 FLOPs per multiply-add
 def test_windows_count_the_matmuls_each_transfer_may_hide_behind():
   win = hlo_schedule.windows(WINDOWS)
   assert win.flops == 4 * DOT  # the module's four matmuls, fused or not
-  # fusion.1 runs while both transfers are in flight: it counts once, for the older (the all-reduce);
+  # fusion.1 runs while both transfers are in flight: it counts once, for the older (the
+  # all-reduce);
   # fusion.2 runs beside the TPU-style async collective fusion alone; dot.0 beside a copy only
   assert win.of("all-reduce-start") == DOT
-  assert win.of("all-gather.1") == DOT  # the collective wrapped in the async fusion: its pair's window
+  # the collective wrapped in the async fusion: its pair's window
+  assert win.of("all-gather.1") == DOT
   assert win.window == {"all-reduce-start": DOT, "async-collective.2": DOT}
   assert sum(win.window.values()) <= win.flops
   assert win.of("some-synchronous-all-reduce") == 0.0
@@ -87,7 +89,8 @@ def test_windows_count_the_matmuls_each_transfer_may_hide_behind():
 
 def test_tpu_async_collective_fusions_pair_up_as_spans():
   pairs = {s.start.name: s for s in hlo_schedule.spans(WINDOWS)}
-  assert set(pairs) == {"all-reduce-start", "async-collective-start.2"}  # the copy is not a collective
+  # the copy is not a collective
+  assert set(pairs) == {"all-reduce-start", "async-collective-start.2"}
   span = pairs["async-collective-start.2"]
   assert (span.kind, span.done.name) == ("all-gather", "async-collective-done.2")
   assert [i.name for i in span.between] == ["fusion.1", "all-reduce-done", "fusion.2"]
