@@ -39,12 +39,18 @@ test-all: setup
 	$(PY) -m pytest -q -m ""
 
 # The `long` runs (over 5 minutes each on 2 cores: long_16k's 20 steps, the comm-quality schemes, the
-# post-training chain, moe_tiny to its entropy floor), which CI's 90 minutes leave out; run them when their code changes.
+# post-training chain, moe_tiny to its entropy floor; and the quick experiment runs of 1.5-3.5 minutes:
+# the VLM's and MLM's convergence, ten runs in one process, the RL and post-training studies, scaling),
+# which CI leaves out to stay near an hour; run them when their code changes.
 test-long: setup
 	$(PY) -m pytest -q $(XDIST) -m long
 
+# The `long` compiles (the MoE configs, llama_8b as stages, optimizer offload: 2.5-9 minutes each on 2
+# cores) stay out of CI; `make test-targets TARGETS_MARK=` runs every one.
+TARGETS_MARK ?= not long
 test-targets: $(TARGETS_VENV)/.installed
-	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q -n 2 --dist load tests/targets -m "" $(PYTEST_TARGETS)
+	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q -n 2 --dist load tests/targets \
+	  -m "$(TARGETS_MARK)" $(PYTEST_TARGETS)
 
 # lm-evaluation-harness beside jaxtrain (tests/eval/test_adapter.py: the adapter and jaxtrain's scoring against
 # lm-eval's Hugging Face backend), in its own environment, so that lm-eval's many dependencies (unpinned beyond

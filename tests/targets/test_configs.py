@@ -26,11 +26,14 @@ CASES = [
     ("llama_1b", "tpu-v5p:2x2x4", {}, {"fsdp"}),  # fsdp 16 (on 4 chips: 172 GiB of temporaries)
     ("llama_8b", "tpu-v5p:4x4x4", {}, {"fsdp"}),  # fsdp 64, batch 256 x 8192
     ("llama_70b", "tpu-v5p:2x2x4", {}, {"fsdp"}),  # fsdp 16, 49.3 GiB of state a chip
-    ("mixtral_8x7b", "tpu-v5p:4x4x4", {}, {"fsdp", "expert"}),  # fsdp 8 x expert 8
+    # the two MoE configs compile for 331 s and 543 s on 2 cores (2026-12-07): `long`, out of CI
+    # (`make test-targets TARGETS_MARK=` runs them)
+    pytest.param("mixtral_8x7b", "tpu-v5p:4x4x4", {}, {"fsdp", "expert"},  # fsdp 8 x expert 8
+                 marks=pytest.mark.long),
     # fsdp 64 x expert 8, 2 microbatches: on 256 chips with expert 256 and fsdp 1 (its first layout)
     # XLA:TPU refused 1.46 TB of temporaries a chip: every dense weight replicated, and dropless
     # dispatch sizing each shard's expert rows for every token of all 256 shards
-    ("deepseek_v3_like", "tpu-v5p:8x8x8", {}, {"fsdp", "expert"}),
+    pytest.param("deepseek_v3_like", "tpu-v5p:8x8x8", {}, {"fsdp", "expert"}, marks=pytest.mark.long),
     ("long_16k", "tpu-v5p:2x2x2", {}, {"context"}),  # context 8
     # context 4, never built beyond eval_shape before; on a v5e 2x2 (16 GiB) XLA:TPU needs 24.67 GiB
     ("long_32k", "tpu-v5p:2x2x1", {}, {"context"}),
@@ -100,8 +103,10 @@ def test_config_compiles_for_tpu(target_devices, name, target, overrides, axes):
 # Pipelined (mesh.stage): llama_8b as 4 stages x fsdp 2 with 8 microbatches of 2 rows, and
 # pipeline_tiny GPipe and circular. Splash does not run inside a stage: blockwise/xla attention.
 PIPELINE_CASES = [
-    ("llama_8b", "tpu-v5p:2x2x2", {"mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 16,
-                                   "train.pipeline_microbatches": 8}),
+    pytest.param("llama_8b", "tpu-v5p:2x2x2", {"mesh.stage": 4, "mesh.fsdp": 2,  # 151 s: `long`
+                                               "train.batch_size": 16,
+                                               "train.pipeline_microbatches": 8},
+                 marks=pytest.mark.long),
     ("pipeline_tiny", "tpu-v5p:2x2x2", {}),
     ("pipeline_tiny", "tpu-v5p:2x2x1", {"mesh.stage": 2, "model.pipeline_repeats": 2,
                                         "train.pipeline_microbatches": 4}),

@@ -57,6 +57,7 @@ def fake_planner(memory: float, step_time: float):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 97 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
 def test_scaling_quick(tmp_path, monkeypatch):
   run = load("scaling")
   monkeypatch.setattr(run, "load_planner", lambda: fake_planner(2**20, 0.5))
