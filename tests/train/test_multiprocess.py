@@ -178,12 +178,14 @@ def train_like_one(tmp_path, overrides: dict):
 
 
 @pytest.mark.slow  # 145-165 s on 2 loaded cores (test_two_processes_train_like_one: 131 s on them)
+@pytest.mark.long  # a scheme's variant of test_two_processes_train_like_one: out of CI's hour
 def test_diloco_int8_over_two_processes_trains_like_one(tmp_path):
   # H=2 over 8 steps: 4 syncs, each an int8 all-to-all and all-gather between the two processes.
   print(train_like_one(tmp_path, {"diloco": dict(inner_steps=2, format="int8")}))
 
 
 @pytest.mark.slow  # 145-165 s on 2 loaded cores (test_two_processes_train_like_one: 131 s on them)
+@pytest.mark.long  # a scheme's variant of test_two_processes_train_like_one: out of CI's hour
 def test_int8_reduction_with_error_feedback_over_two_processes_trains_like_one(tmp_path):
   print(train_like_one(tmp_path, {"comm": dict(format="int8", error_feedback="ef")}))
 
