@@ -189,6 +189,7 @@ def test_lora_dpo_starts_at_the_reference(base, tmp_path):
 
 
 @pytest.mark.slow  # two short runs with rollouts
+@pytest.mark.long  # 78 s in CI's compute phase (2-core EPYC, 2026-12-07): an RL run's quick budget
 def test_lora_grpo_runs_with_the_base_as_reference(tmp_path):
   base_dir, run_dir = str(tmp_path / "base"), str(tmp_path / "grpo")
   train(rl_config(steps=1), base_dir)
@@ -213,6 +214,7 @@ def test_compiled_step_memory_with_lora_is_below_full_fine_tuning(tmp_path, monk
 
 
 @pytest.mark.slow  # two short runs with rollouts
+@pytest.mark.long  # 79 s in CI's compute phase (2-core EPYC, 2026-12-07): an RL run's quick budget
 def test_lora_ppo_trains_adapters_and_its_fresh_value_head(tmp_path):
   """The value head is not in the base (init_from keeps it fresh): it is trained in full beside
   the adapters, and checkpointed with them."""

@@ -73,7 +73,7 @@ def test_a_mask_token_the_data_emits_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 92 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 92 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_mlm_tiny_trains_to_its_target_and_fills_in_masks(tmp_path):
   """mlm_tiny's masked-token eval loss within 1.3x of eval_mlm_bound, the informed predictor's loss
   on the same tokens (a lower bound on any model's; measured: configs/mlm_tiny.py), and the filled-in

@@ -224,7 +224,7 @@ class Blind(VisionLanguage):
 
 
 @pytest.mark.slow  # convergence: two 800-step runs, ~30 s each on 2 cores
-@pytest.mark.long  # 210 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 210 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_vlm_tiny_answers_from_the_image_and_blind_stays_at_chance(tmp_path):
   """Held-out accuracy (256 eval rows) with images far above chance (1/4: four answers to each
   question, uniform), the same model trained on zeroed images near it. Measured: README."""

@@ -295,7 +295,9 @@ def train(cfg, workdir, **kwargs) -> dict[int, float]:
 
 
 @pytest.mark.slow  # two 12-step runs of pipeline_tiny through the loop: ~2 minutes on 2 cores
-@pytest.mark.parametrize("variant", ["", "circular"])
+# the circular twin (76 s on 2 EPYC cores, 2026-12-07) is `long`: the plain one holds the
+# training path in CI, and the circular schedule's equality is checked at the model above
+@pytest.mark.parametrize("variant", ["", pytest.param("circular", marks=pytest.mark.long)])
 def test_pipeline_tiny_trains_like_its_unpipelined_twin(variant, tmp_path):
   """The loop's losses of pipeline_tiny (4 stages; :circular 2 stages x 2 repeats) equal those of
   the same config without stages, step by step (measured: 1.8e-7 relative at most over 20 steps)."""

@@ -37,7 +37,7 @@ def test_splits_are_disjoint_and_sft_never_shows_a_ones_carry():
 
 
 @pytest.mark.slow  # a tiny pre-training, SFT and three arms: about a minute
-@pytest.mark.long  # 156 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 156 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_quick_budget_runs_and_chooses_on_validation(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   subprocess.run([sys.executable, SCRIPT, "--quick", "--seeds", "0", "--out", str(tmp_path)], check=True, env=env,
@@ -53,7 +53,7 @@ def test_quick_budget_runs_and_chooses_on_validation(tmp_path):
 
 
 @pytest.mark.slow  # a tiny pre-training, SFT, a reward model, PPO and GRPO: about two minutes
-@pytest.mark.long  # 140 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 140 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_rm_chain_quick_budget_tracks_learned_and_gold_reward(tmp_path):
   """experiments/posttrain/rm_chain.py (issue 25 item 3): RL on the reward model's score alone, the gold
   (exact match) logged beside it every step."""

@@ -29,7 +29,7 @@ def compiled(mode: str):
   return _compiled[mode].memory, _compiled[mode].host
 
 
-# the optimizer case compiles for 260 s on 2 cores (2026-12-07): `long`, out of CI, like the
+# the optimizer case compiles for 260 s on 2 EPYC cores (2026-12-07): `long`, out of CI, like the
 # biggest configs (`make test-targets TARGETS_MARK=`); params offload crosses the same way
 @pytest.mark.parametrize("mode, gib", [pytest.param("optimizer", 3.77, marks=pytest.mark.long),
                                        ("params", 1.88)])

@@ -69,7 +69,7 @@ def test_macro_f1_against_a_confusion_matrix(run):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 162 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 162 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_quick_run_writes_both_studies(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device, as from the command line
   subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(tmp_path)], check=True, env=env, cwd=ROOT,

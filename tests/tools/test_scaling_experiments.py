@@ -30,6 +30,7 @@ def logged(workdir: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 56 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_precision_quick(tmp_path):
   results = load("precision").main(["--quick", "--root", str(tmp_path / "runs"), "--out", str(tmp_path)])
   f32, bf16 = (logged(str(tmp_path / "runs" / name)) for name in ("float32", "bfloat16"))
@@ -57,7 +58,7 @@ def fake_planner(memory: float, step_time: float):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 97 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 97 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_scaling_quick(tmp_path, monkeypatch):
   run = load("scaling")
   monkeypatch.setattr(run, "load_planner", lambda: fake_planner(2**20, 0.5))

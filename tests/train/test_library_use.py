@@ -51,7 +51,7 @@ class Interrupted(LanguageModel):
 
 
 @pytest.mark.slow  # ten compilations: ~1.5 minutes on 2 idle cores
-@pytest.mark.long  # 190 s in CI's compute phase (2-core Xeon, 2026-12-07): `make test-long`
+@pytest.mark.long  # 190 s in CI's compute phase (2-core EPYC, 2026-12-07): `make test-long`
 def test_ten_runs_in_one_process_do_not_grow_memory_and_an_interrupted_one_resumes(tmp_path):
   """Other configs, other meshes (devices=), a KeyboardInterrupt raised in a step's host code (it saves and
   returns) and the resume of that workdir; RSS after the tenth run within 10% of after the second (live
