@@ -39,14 +39,14 @@ test-all: setup
 	$(PY) -m pytest -q -m ""
 
 # The `long` runs (over 5 minutes each on 2 cores: long_16k's 20 steps, the comm-quality schemes, the
-# post-training chain, moe_tiny to its entropy floor; and the quick experiment runs of 1.5-3.5 minutes:
-# the VLM's and MLM's convergence, ten runs in one process, the RL and post-training studies, scaling),
+# post-training chain, moe_tiny to its entropy floor; and the quick runs of 1-3.5 minutes: the VLM's
+# and MLM's convergence, ten runs in one process, the RL and post-training studies, scaling, LoRA's RL),
 # which CI leaves out to stay near an hour; run them when their code changes.
 test-long: setup
 	$(PY) -m pytest -q $(XDIST) -m long
 
-# The `long` compiles (the MoE configs, llama_8b as stages, optimizer offload: 2.5-9 minutes each on 2
-# cores) stay out of CI; `make test-targets TARGETS_MARK=` runs every one.
+# The `long` compiles (the MoE configs, llama_8b, llama_70b offloaded, optimizer offload: 2.5-9 minutes
+# each on 2 cores) stay out of CI; `make test-targets TARGETS_MARK=` runs every one.
 TARGETS_MARK ?= not long
 test-targets: $(TARGETS_VENV)/.installed
 	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q -n 2 --dist load tests/targets \
