@@ -45,8 +45,8 @@ test-all: setup
 test-long: setup
 	$(PY) -m pytest -q $(XDIST) -m long
 
-# The `long` compiles (the MoE configs, llama_8b, llama_70b offloaded, optimizer offload: 2.5-9 minutes
-# each on 2 cores) stay out of CI; `make test-targets TARGETS_MARK=` runs every one.
+# The `long` compiles (the MoE configs, llama_8b, llama_1b on TPU, llama_70b offloaded, optimizer
+# offload, ...: 1-9 minutes each on 2 cores) stay out of CI; `make test-targets TARGETS_MARK=` runs every one.
 TARGETS_MARK ?= not long
 test-targets: $(TARGETS_VENV)/.installed
 	JAX_PLATFORMS=cpu $(TARGETS_VENV)/bin/python -m pytest -q -n 2 --dist load tests/targets \

@@ -36,7 +36,8 @@ def sync_spans(text: str) -> list:
           if "diloco_sync" in s.start.op_name or "comm_every" in s.start.op_name]
 
 
-@pytest.mark.parametrize("fmt", ["f32", "int8"])
+# int8 (66 s on 2 EPYC cores, 2026-12-07) places its sync as f32 does: `long`, out of CI
+@pytest.mark.parametrize("fmt", ["f32", pytest.param("int8", marks=pytest.mark.long)])
 def test_a_fragment_sync_spans_the_next_steps_compute(target_devices, fmt):
   target_devices(TARGET)
   cfg = config(4, fmt)
