@@ -11,8 +11,8 @@ slot's D devices (JAX_LOCAL_DEVICE_IDS on GPUs, D forced host devices on CPU). T
 
 - every process exits 0: done, status 0;
 - the first failure (the *culprit*: the first process seen to exit non-zero other than 6, since
-  the survivors of a lost peer exit 6, a signal first among those seen together; else the first
-  seen) decides:
+  the survivors of a lost peer exit 6, a signal first among those seen together, SIGABRT last of
+  the signals (a survivor's failed collective aborts); else the first seen) decides:
   2 (bad input), 4 (diverged), 5 (checkpoints unwritable): a restart would fail alike; the others
   are given GRACE_S to end by themselves, then killed, and launch exits with that status;
   3 (preempted, saved): the others stop at the same step; launch waits and exits 3;
@@ -171,8 +171,10 @@ class Attempt:
     statuses = [p.poll() for p in self.procs]
     seen = {i for i, _, _ in self.failures}
     new = [i for i, s in enumerate(statuses) if s not in (None, 0) and i not in seen]
-    # seen together: one killed by a signal came first (a survivor's collective then failed)
-    for i in sorted(new, key=lambda i: statuses[i] >= 0):
+    # seen together: one killed by a signal came first (a survivor's collective then failed), and
+    # a SIGABRT is what a survivor's failed collective raises (gloo: "Received data size doesn't
+    # match"), so it comes after any other signal
+    for i in sorted(new, key=lambda i: (statuses[i] >= 0, statuses[i] == -signal.SIGABRT)):
       self.failures.append((i, statuses[i], time.monotonic()))
     return statuses
 
