@@ -129,12 +129,11 @@ def unpipelined_moe(moe_every: int):
 
 # "2 stages" (84 s on 2 EPYC cores, 2026-12-07) is "2 stages, experts over expert 2" without the
 # expert axis, which the default suite runs: `long`, out of CI
-LONG = ("2 stages",)
+MARKS = {"2 stages": (SLOW, pytest.mark.long)}
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=(SLOW, pytest.mark.long) if c in LONG else SLOW if i > 1 else ())
-    for i, c in enumerate(MOE_CASES)])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=MARKS.get(c, SLOW if i > 1 else ()))
+                                  for i, c in enumerate(MOE_CASES)])
 def test_pipelined_moe_equals_the_unpipelined_model(case):
   """MoE layers in stages: the loss with its auxiliary terms, the gradients and every layer's
   routing statistics (the stages' microbatch sums, finished after) equal the model's without
