@@ -1,15 +1,16 @@
 """Log-likelihood requests per second: jaxtrain's lm-eval adapter (packed rows, one compiled
-program, jaxtrain/eval/adapter.py) against lm-evaluation-harness's Hugging Face backend (torch,
-padded batches), the same requests on the same random Llama, on this host's CPU (issue 24 item 6).
+program, jaxtrain/eval/adapter.py), with a doc's choices sharing its context and with each request
+alone, against lm-evaluation-harness's Hugging Face backend (torch, padded batches), the same
+requests on the same random Llama, on this host's CPU (issue 24 item 6).
 
-  python benchmarks/eval_vs_hf.py [--docs 200] [--hidden 256] [--layers 4] [--batch 8]
+  python benchmarks/eval_vs_hf.py [--docs 200] [--hidden 256] [--layers 4] [--batch 8] [--rows 8]
 
 A random LlamaForCausalLM (no download) and a byte-level BPE tokenizer are saved to a temporary
 directory with a tokenizer_config.json; `docs` generated multiple-choice docs (2-4 choices each, a
-one-shot context) give the (context, continuation) requests. Each backend first scores the 16
-longest requests (jaxtrain compiles there, torch warms up), then all of them `repeats` times,
-alternating, timed (medians); the log-likelihoods are checked to agree. Prints both rates and their ratio. Needs the eval extra (lm-eval,
-accelerate) and torch.
+one-shot context) give the (context, continuation) requests. Each backend first scores them all
+once (jaxtrain compiles, torch warms up), then `repeats` times, in turn, timed (medians); the
+log-likelihoods are checked to agree. Prints each rate and its ratio to the HF backend's. Needs
+the eval extra (lm-eval, accelerate) and torch.
 """
 
 import argparse
@@ -50,10 +51,9 @@ def requests(n_docs: int):
 
 
 def warm_up(lm, reqs):
-  """Compile / warm up on the 16 longest requests: jaxtrain's row length follows a call's longest
-  request, so the timed calls then compile nothing."""
-  longest = sorted(reqs, key=lambda r: -len(r.args[0] + r.args[1]))[:16]
-  lm.loglikelihood(longest, disable_tqdm=True)
+  """Compile / warm up on all the requests once: jaxtrain's row length and program follow a
+  call's requests, so the timed calls (the same requests) then compile nothing."""
+  lm.loglikelihood(reqs, disable_tqdm=True)
 
 
 def timed(lm, reqs):
@@ -67,13 +67,16 @@ def main() -> None:
   p.add_argument("--docs", type=int, default=200)
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--batch", type=int, default=8, help="HF batch size and jaxtrain rows")
+  p.add_argument("--batch", type=int, default=8, help="HF batch size (and jaxtrain rows)")
+  p.add_argument("--rows", type=int, default=0,
+                 help="jaxtrain's packed rows of 256 slots a batch (0: --batch)")
   p.add_argument("--repeats", type=int, default=3, help="timed calls of each, alternating; medians")
   p.add_argument("--threads", type=int, default=0,
                  help="1: both backends on one thread (torch.set_num_threads(1), XLA:CPU without "
                       "its Eigen thread pool), a ratio that a loaded host does not skew; 0: "
                       "each library's default")
   args = p.parse_args()
+  rows = args.rows or args.batch
   if args.threads not in (0, 1):
     raise SystemExit("--threads must be 0 or 1")
   if args.threads == 1:  # before jax starts
@@ -92,26 +95,29 @@ def main() -> None:
     reqs = requests(args.docs)
     hf = HFLM(pretrained=path, add_bos_token=True, dtype="float32", device="cpu",
               batch_size=args.batch)
-    jt = JaxtrainLM(path, rows=args.batch)
+    backends = {"lm-eval hf backend": hf,
+                "jaxtrain, contexts shared": JaxtrainLM(path, rows=rows),
+                "jaxtrain, each request alone": JaxtrainLM(path, rows=rows, share_contexts=False)}
     with torch.no_grad():
-      warm_up(hf, reqs)
-    warm_up(jt, reqs)
-    hf_times, jt_times = [], []
-    for _ in range(args.repeats):
-      with torch.no_grad():
-        want, seconds = timed(hf, reqs)
-      hf_times.append(seconds)
-      got, seconds = timed(jt, reqs)
-      jt_times.append(seconds)
-  hf_s, jt_s = statistics.median(hf_times), statistics.median(jt_times)
-  diff = max(abs(a[0] - b[0]) for a, b in zip(got, want))
+      for lm in backends.values():
+        warm_up(lm, reqs)
+      times, scores = {name: [] for name in backends}, {}
+      for _ in range(args.repeats):
+        for name, lm in backends.items():
+          scores[name], seconds = timed(lm, reqs)
+          times[name].append(seconds)
+  want = scores["lm-eval hf backend"]
+  diff = max(abs(a[0] - b[0]) for got in scores.values() for a, b in zip(got, want))
   print(f"{len(reqs)} requests ({args.docs} docs, one-shot), Llama hidden={args.hidden} "
-        f"layers={args.layers}, batch {args.batch}, torch threads {torch.get_num_threads()}; "
+        f"layers={args.layers}, HF batch {args.batch}, jaxtrain rows {rows}, "
+        f"torch threads {torch.get_num_threads()}; "
         f"max |loglikelihood difference| {diff:.2e}")
-  print(f"lm-eval hf backend: {len(reqs) / hf_s:8.1f} requests/s ({hf_s:.2f} s)")
-  print(f"jaxtrain adapter:   {len(reqs) / jt_s:8.1f} requests/s ({jt_s:.2f} s)")
-  print(f"ratio jaxtrain / hf: {hf_s / jt_s:.2f}x (medians of {args.repeats}; each run's ratio "
-        f"{', '.join(f'{h / j:.2f}' for h, j in zip(hf_times, jt_times))})")
+  hf_times = times["lm-eval hf backend"]
+  for name, seconds in times.items():
+    median = statistics.median(seconds)
+    print(f"{name:30s} {len(reqs) / median:8.1f} requests/s ({median:.2f} s), ratio to hf "
+          f"{statistics.median(hf_times) / median:.2f}x (each run's: "
+          f"{', '.join(f'{h / j:.2f}' for h, j in zip(hf_times, seconds))})")
   if not diff < 1e-3:
     raise SystemExit("the backends disagree")
 

@@ -6,7 +6,8 @@
   lm_eval.simple_evaluate(model="jaxtrain", model_args="path=RUN_OR_HF_DIR", tasks=[...])
 
 `path` is a training or converted workdir (its newest step) or a HF Llama / Mixtral directory, read
-as `jaxtrain.evaluate` reads it; `rows` and `seq_len` size the packed batches (score.Scorer).
+as `jaxtrain.evaluate` reads it; `rows` and `seq_len` size the packed batches (score.Scorer), where
+the requests of one context share one document (`share_contexts`, default true).
 Requests are tokenized as lm-eval's Hugging Face backend does with add_bos_token=True: the context
 after the tokenizer's BOS (an empty context is BOS alone), its trailing whitespace moved to the
 continuation (TemplateLM._encode_pair). loglikelihood_rolling scores disjoint windows of seq_len
@@ -32,17 +33,20 @@ MAX_GEN_TOKS = 256  # lm-eval's default max_gen_toks
 class JaxtrainLM(TemplateLM):
   """An lm_eval model scored by jaxtrain.eval.score.Scorer (packed, one compiled program)."""
 
-  def __init__(self, path: str, rows: int = 8, seq_len: int | None = None, batch_size=None,
-               max_batch_size=None, device=None, **unused):
+  def __init__(self, path: str, rows: int = 8, seq_len: int | None = None,
+               share_contexts: bool = True, batch_size=None, max_batch_size=None, device=None,
+               **unused):
     """`batch_size`, `max_batch_size` and `device` are lm-eval's generic arguments: batches are
-    `rows` packed rows on jax's default device whatever they say."""
+    `rows` packed rows on jax's default device whatever they say. `share_contexts=False`: each
+    request in its own document, its context computed again for each choice (score.Scorer)."""
     super().__init__()
     if unused:
       raise ValueError(f"jaxtrain lm_eval model: unknown model_args {sorted(unused)}; it takes "
-                       "path, rows, seq_len")
+                       "path, rows, seq_len, share_contexts")
     model_cfg, params, extra, self.tokenizer = harness.load_model(path)
     self.scorer = score.Scorer(model_cfg, params, extra, int(rows),
-                               int(seq_len) if seq_len else None)
+                               int(seq_len) if seq_len else None,
+                               share_contexts=bool(share_contexts))
     self.path, self._generator = path, None
 
   @property

@@ -2,13 +2,17 @@
 (lm-evaluation-harness's `loglikelihood` and `loglikelihood_rolling`).
 
 Requests are packed into [rows, length] batches with segment ids and per-document positions, as
-training packs documents (Levanter's eval_harness), and attention never crosses requests. A call's
+training packs documents (Levanter's eval_harness), and attention never crosses requests. Requests
+with the same context (a multiple-choice doc's choices) share one document: the context once, then
+each continuation as a branch that sees the context and itself only (the model's branch ids), so a
+context is computed once, not once per choice (`Unit`; `share_contexts=False`: each alone). A call's
 row length is a power of two (at most seq_len, at least its longest request) chosen for the fewest
 FLOPs: its packed rows' slots times the forward FLOPs per slot at that length (rows of a length
-short requests fill well, without attention over the model's whole length); a batch has rows *
-seq_len / length rows, so that every batch holds the same number of tokens (one compiled program
-per length). A request whose context + continuation does not fit is cut from
-the left of its context (counted in `Score.truncated`), as the harness does.
+short requests fill well, without attention over the model's whole length); a batch has at most
+rows * seq_len / length rows (no more tokens than `rows` rows of seq_len), a call's rows shared
+evenly among its batches (one compiled program a call's shape). A request whose context +
+continuation does not fit is cut from the left of its context (counted in `Score.truncated`), as
+the harness does.
 """
 
 import functools
@@ -52,51 +56,100 @@ def fit(request: Request, seq_len: int) -> tuple[np.ndarray, int]:
   return np.concatenate([request.context[cut:], request.continuation]).astype(np.int32), cut
 
 
+class Branch(NamedTuple):
+  """One request in a unit: the context's last token then the continuation but its last (`inputs`),
+  each predicting the next token of the continuation (`targets`)."""
+  request: int
+  inputs: np.ndarray
+  targets: np.ndarray
+
+
+class Unit(NamedTuple):
+  """One packed document: `trunk`, a fitted context but its last token (no request is scored on
+  it), then its branches, each seeing the trunk and itself only (the model's branch ids). The
+  requests with one fitted context share a unit (a multiple-choice doc's choices); a request alone
+  is a unit of one branch, the same slots as its context + continuation in a document of its own."""
+  trunk: np.ndarray
+  branches: list[Branch]
+
+
+def unit_length(unit: Unit) -> int:
+  return len(unit.trunk) + sum(len(b.inputs) for b in unit.branches)
+
+
+def units(requests: list[Request], fitted: list[np.ndarray], length: int,
+          share: bool = True) -> list[Unit]:
+  """The requests (`fitted`: each one's context + continuation as `fit` cut it) as units of at most
+  `length` input slots, which must hold each request alone: the requests of one fitted context in
+  one unit (`share`), in as many as it takes when they do not fit in one."""
+  groups = {}
+  for i, (request, full) in enumerate(zip(requests, fitted)):
+    context = full[:-len(request.continuation)]
+    branch = Branch(i, full[len(context) - 1:-1], full[len(context):])
+    groups.setdefault(context.tobytes() if share else i, (context[:-1], []))[1].append(branch)
+  out = []
+  for trunk, branches in groups.values():
+    room = 0
+    for branch in branches:
+      if len(branch.inputs) > room:
+        out.append(Unit(trunk, []))
+        room = length - len(trunk)
+      out[-1].branches.append(branch)
+      room -= len(branch.inputs)
+  return out
+
+
 class Span(NamedTuple):
-  """Where one request lies in a batch: its row, first input slot, and continuation length."""
+  """Where one request's scored slots lie in a batch: its row, and slots start to end."""
   request: int
   row: int
   start: int
   end: int
-  n_cont: int
 
 
-def pack(requests: list[Request], rows: int, seq_len: int):
-  """Yields (batch of [rows, seq_len] numpy arrays, spans): the requests, longest first, each in the
-  first row of the open batch with room (first-fit decreasing); segment ids 1, 2, ... within a row
-  (0: padding), positions restarting at 0 for each request."""
-  fitted = [fit(r, seq_len)[0] for r in requests]
-  order = sorted(range(len(requests)), key=lambda i: -len(fitted[i]))
+def pack(units_: list[Unit], rows: int, length: int):
+  """Yields (batch of [rows, length] numpy arrays, spans): the units, longest first, each in the
+  first row of the open batch with room (first-fit decreasing). Segment ids 1, 2, ... a unit within
+  its row (0: padding); branch ids 0 on a unit's trunk, 1, 2, ... on its branches; positions from 0
+  along the trunk, each branch's continuing the trunk's; targets 0 where nothing is scored."""
+  sizes = [unit_length(u) for u in units_]
+  order = sorted(range(len(units_)), key=lambda i: -sizes[i])
   while order:
-    inputs_BL, targets_BL, segment_ids_BL, positions_BL = (
-        np.zeros((rows, seq_len), np.int32) for _ in range(4))
+    batch = {k: np.zeros((rows, length), np.int32)
+             for k in ("inputs", "targets", "segment_ids", "branch_ids", "positions")}
     free, docs, spans, rest = [0] * rows, [0] * rows, [], []
-    smallest = len(fitted[order[-1]]) - 1
+    smallest = sizes[order[-1]]
     for k, i in enumerate(order):
-      if seq_len - min(free) < smallest:  # no row has room for any request left
+      if length - min(free) < smallest:  # no row has room for any unit left
         rest.extend(order[k:])
         break
-      full, n = fitted[i], len(fitted[i]) - 1  # n inputs, each predicting the next token
-      row = next((b for b in range(rows) if free[b] + n <= seq_len), None)
+      row = next((b for b in range(rows) if free[b] + sizes[i] <= length), None)
       if row is None:
         rest.append(i)
         continue
-      start = free[row]
-      inputs_BL[row, start:start + n], targets_BL[row, start:start + n] = full[:-1], full[1:]
       docs[row] += 1
-      segment_ids_BL[row, start:start + n] = docs[row]
-      positions_BL[row, start:start + n] = np.arange(n)
-      spans.append(Span(i, row, start, start + n, len(requests[i].continuation)))
-      free[row] += n
-    yield {"inputs": inputs_BL, "targets": targets_BL, "segment_ids": segment_ids_BL,
-           "positions": positions_BL}, spans
+      trunk, at = units_[i].trunk, free[row]
+      parts = [(trunk, np.zeros_like(trunk), 0, None)] + [
+          (b.inputs, b.targets, j, b.request) for j, b in enumerate(units_[i].branches, 1)]
+      for inputs, targets, branch, request in parts:
+        end = at + len(inputs)
+        batch["inputs"][row, at:end], batch["targets"][row, at:end] = inputs, targets
+        batch["segment_ids"][row, at:end], batch["branch_ids"][row, at:end] = docs[row], branch
+        batch["positions"][row, at:end] = (len(trunk) if branch else 0) + np.arange(len(inputs))
+        if request is not None:
+          spans.append(Span(request, row, at, end))
+        at = end
+      free[row] = at
+    yield batch, spans
     order = rest
 
 
 def token_scores(model: Transformer, params, extra, batch):
-  """Per input slot: the log-prob of the next token and whether it is the argmax ([B, L] each)."""
+  """Per input slot: the log-prob of the next token and whether it is the argmax ([B, L] each).
+  Branch ids only where the batch has them (shared contexts)."""
   logits_BLV = model.apply({"params": params, **extra}, batch["inputs"], batch["positions"],
-                           batch["segment_ids"]).astype(jnp.float32)
+                           batch["segment_ids"],
+                           branch_ids_BL=batch.get("branch_ids")).astype(jnp.float32)
   targets_BL = batch["targets"]
   target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
   logprob_BL = target_logit_BL - jax.nn.logsumexp(logits_BLV, axis=-1)
@@ -126,6 +179,9 @@ def host_values(arrays):
 
 
 MIN_ROW_LEN = 16  # the shortest packed row: fewer programs to compile for very short requests
+# the longest row whose requests share their contexts: branched attention materializes the
+# [rows, heads, L, L] scores (model/attention.branched_attention); longer rows score each alone
+SHARE_UP_TO = 2048
 PACKING_SAMPLE = 512  # requests whose first-fit packing estimates a row length's rows
 
 
@@ -149,18 +205,25 @@ def packed_rows(lengths_desc: list[int], length: int) -> int:
   return len(free) * step
 
 
-def row_length(lengths: list[int], rows: int, seq_len: int, flops_per_token) -> int:
-  """The power-of-two row length (MIN_ROW_LEN to seq_len, at least the longest request's inputs)
-  with the fewest forward FLOPs for these requests: whole batches of packed rows, times
-  `flops_per_token(length)` (attention grows with the length)."""
-  lengths_desc = sorted(lengths, reverse=True)
-  longest = lengths_desc[0] if lengths_desc else 1
+def batch_rows(needed: int, most: int, multiple: int) -> int:
+  """Rows a batch: as few batches as `most` rows each allow for `needed` rows, the rows shared
+  evenly among them (a multiple of `multiple`, the data shards), so that the last batch is not
+  mostly padding."""
+  batches = -(-needed // most)
+  return min(most, -(-needed // (batches * multiple)) * multiple)
+
+
+def row_length(lengths_at, longest: int, rows: int, seq_len: int, flops_per_token) -> int:
+  """The power-of-two row length (MIN_ROW_LEN to seq_len, at least `longest`, the longest request's
+  inputs) with the fewest forward FLOPs: whole batches of rows packed with the units
+  `lengths_at(length)` gives at that length, times `flops_per_token(length)` (attention grows with
+  the length)."""
   candidates = sorted({min(seq_len, max(MIN_ROW_LEN, 1 << k))
                        for k in range(max(longest - 1, 0).bit_length(), seq_len.bit_length() + 1)})
   def cost(length):
-    per_batch = rows_at(length, rows, seq_len)
-    batches = -(-packed_rows(lengths_desc, length) // per_batch)
-    return batches * per_batch * length * flops_per_token(length)
+    needed = packed_rows(sorted(lengths_at(length), reverse=True), length)
+    per_batch = batch_rows(needed, rows_at(length, rows, seq_len), 1)
+    return -(-needed // per_batch) * per_batch * length * flops_per_token(length)
   return min(candidates, key=cost)
 
 
@@ -171,20 +234,23 @@ class Scorer:
   axes and the params as `mesh_rules` (config.RULES) shards them; without one, on one device."""
 
   def __init__(self, model_cfg: ModelConfig, params, extra=None, rows: int = 8,
-               seq_len: int | None = None, mesh=None, mesh_rules: str = "fsdp"):
+               seq_len: int | None = None, mesh=None, mesh_rules: str = "fsdp",
+               share_contexts: bool = True):
     self.model = Transformer(model_cfg)
+    self.share_contexts = share_contexts
     self.seq_len = seq_len or model_cfg.max_seq_len
     if not 1 <= self.seq_len <= model_cfg.max_seq_len:
       raise config_lib.ConfigError(
           f"eval seq_len={self.seq_len} must be in [1, model.max_seq_len={model_cfg.max_seq_len}]")
     self.mesh, self.mesh_rules = mesh, mesh_rules
     extra = extra or {}
+    self.shards = 1 if mesh is None else int(
+        np.prod([mesh.shape[a] for a in parallel.DATA_AXES]))  # rows a batch comes in multiples of
     if mesh is None:
       self.rows = rows
       self.params, self.extra = jax.device_put((params, extra), jax.local_devices()[0])
     else:
-      shards = int(np.prod([mesh.shape[a] for a in parallel.DATA_AXES]))
-      self.rows = -(-rows // shards) * shards
+      self.rows = -(-rows // self.shards) * self.shards
       self.params = jax.device_put(params, self._param_shardings(mesh, mesh_rules))
       self.extra = jax.device_put(extra, NamedSharding(mesh, P()))
     self._step = jax.jit(functools.partial(token_scores, self.model))
@@ -211,24 +277,35 @@ class Scorer:
 
   def loglikelihood(self, requests: list[Request]) -> list[Score]:
     """A Score per request, in order."""
-    cuts = [fit(r, self.seq_len)[1] for r in requests]
-    top = max((int(max(r.context.max(), r.continuation.max())) for r in requests), default=0)
+    if not requests:
+      return []
+    fitted, cuts = zip(*[fit(r, self.seq_len) for r in requests])
+    top = max(int(full.max()) for full in fitted)
     if top >= self.model.cfg.vocab_size:
       raise config_lib.ConfigError(f"token id {top} is outside the model's vocabulary "
                                    f"(vocab_size={self.model.cfg.vocab_size}): another tokenizer?")
-    lengths = [len(r.context) - cut + len(r.continuation) - 1 for r, cut in zip(requests, cuts)]
-    length = row_length(lengths, self.rows, self.seq_len, self._flops_per_token)
-    rows = rows_at(length, self.rows, self.seq_len)
+
+    @functools.cache
+    def units_at(length):
+      return units(requests, fitted, length, self.share_contexts and length <= SHARE_UP_TO)
+
+    length = row_length(lambda n: [unit_length(u) for u in units_at(n)],
+                        max(len(full) - 1 for full in fitted), self.rows, self.seq_len,
+                        self._flops_per_token)
+    shared = any(len(u.branches) > 1 for u in units_at(length))
+    rows = batch_rows(packed_rows(sorted(map(unit_length, units_at(length)), reverse=True), length),
+                      rows_at(length, self.rows, self.seq_len), self.shards)
     out = [None] * len(requests)
     pending = None  # dispatch batch n, then read batch n-1
-    for batch, spans in [*pack(requests, rows, length), (None, None)]:
+    for batch, spans in [*pack(units_at(length), rows, length), (None, None)]:
+      if batch is not None and not shared:  # the plain document mask: any attention kernel
+        del batch["branch_ids"]
       running = (self._run(batch), spans) if batch is not None else None
       if pending is not None:
         (logprob_BL, greedy_BL), done = host_values(pending[0]), pending[1]
         for s in done:
-          sl = slice(s.end - s.n_cont, s.end)
-          out[s.request] = Score(float(np.sum(logprob_BL[s.row, sl], dtype=np.float64)),
-                                 bool(np.all(greedy_BL[s.row, sl])), cuts[s.request])
+          out[s.request] = Score(float(np.sum(logprob_BL[s.row, s.start:s.end], dtype=np.float64)),
+                                 bool(np.all(greedy_BL[s.row, s.start:s.end])), cuts[s.request])
       pending = running
     return out
 

@@ -212,12 +212,30 @@ def attend(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_ind
   return implementation(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
 
 
+def branched_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, index_BL, branch_ids_BL):
+  """Self-attention over documents that branch after a shared prefix (eval/score.py scores all
+  the continuations of one context in one document): the causal document mask, less any key of a
+  branch b > 0 for queries outside b; the prefix (branch 0) is seen by the whole document. The
+  [B, H, L, L] scores materialized (xla_attention's way, with its extra term), under GSPMD; no
+  kernel or context-parallel form."""
+  if segment_ids_BL is None:
+    raise ConfigError("branch ids need segment ids: the document each branch belongs to")
+  if context.shards() > 1:
+    raise ConfigError("branch ids cannot run with the sequence sharded (mesh.context > 1)")
+  if index_BL is None:
+    index_BL = jnp.broadcast_to(jnp.arange(segment_ids_BL.shape[1]), segment_ids_BL.shape)
+  k_branch_B1S = branch_ids_BL[:, None, :]
+  same_branch_BLS = (k_branch_B1S == 0) | (k_branch_B1S == branch_ids_BL[:, :, None])
+  mask_BLS = reference.mask(segment_ids_BL, segment_ids_BL, index_BL, index_BL) & same_branch_BLS
+  return dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask_BLS)
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, branch_ids_BL=None):
     c = self.cfg
     pd, cd = c.param_dtype, c.compute_dtype
     std, out_std = c.init_std, c.init_std / (2 * c.n_layers) ** 0.5
@@ -247,6 +265,9 @@ class Attention(nn.Module):
           k_BLGK, v_BLGK, segment_ids_BL)
       out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, k_segment_BS, q_index_BL,
                         k_index_BS, c, decode=True)
+    elif branch_ids_BL is not None:
+      out_BLHK = branched_attention(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, index_BL,
+                                    branch_ids_BL)
     else:
       out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL,
                         c)

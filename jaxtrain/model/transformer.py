@@ -71,11 +71,12 @@ class Block(nn.Module):
   stat_sums: bool = False
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL, branch_ids_BL=None):
     c = self.cfg
     x_BLD = checkpoint_name(x_BLD, LAYER_INPUT)
     h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x_BLD)
-    a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, segment_ids_BL, index_BL)
+    a_BLD = Attention(c, self.decode, name="attn")(h_BLD, positions_BL, segment_ids_BL, index_BL,
+                                                   branch_ids_BL)
     if c.fused_norm == "off":
       x_BLD = x_BLD + a_BLD
       h_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x_BLD)
@@ -97,12 +98,12 @@ class Group(nn.Module):
   stat_sums: bool = False
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL, branch_ids_BL=None):
     k = self.cfg.moe_every
     for i in range(k):
       x_BLD, stats = Block(self.cfg, self.decode, moe=i == k - 1, stat_sums=self.stat_sums,
                            name=f"block_{i}")(
-          x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL)
+          x_BLD, positions_BL, segment_ids_BL, index_BL, valid_BL, branch_ids_BL)
     return x_BLD, stats
 
 
@@ -134,7 +135,7 @@ def stacked_layers(cfg: ModelConfig, decode: bool, name: str = "layers", kind: s
       block,
       variable_axes={"params": 0, "cache": 0, "moe_state": 0},
       split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+      in_axes=(nn.broadcast,) * 5,
       length=length,
       unroll=1 if cfg.scan_layers else length,
       metadata_params={nn.PARTITION_NAME: axes.LAYERS},
@@ -149,9 +150,11 @@ class Transformer(nn.Module):
 
   `segment_ids_BL` (0 = padding) None: one document per row. `indices_BL`: each token's place in its
   un-permuted row, which orders attention causally (context parallelism permutes rows); None:
-  arange. `return_hidden`: the final-normed hidden states [B, L, D] instead of the logits, for a
-  loss that fuses the output projection (jaxtrain/kernels/cross_entropy; the head weight is `embed`
-  or `unembed`). `overlay_BLD`: embeddings that replace the tokens' where `overlay_BL` is True
+  arange. `branch_ids_BL` (None: none): documents that branch after a shared prefix, 0 on the
+  prefix, b > 0 on branch b, which only branch b's later tokens see (eval/score.py scores a
+  context's continuations in one document; attention.branched_attention). `return_hidden`: the
+  final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses the output
+  projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`). `overlay_BLD`: embeddings that replace the tokens' where `overlay_BL` is True
   (model/vision.py's projected image patches).
 
   With the `layers` axis split over a mesh axis (mesh.stage), training passes run the layers as a
@@ -165,7 +168,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, indices_BL=None,
-               return_hidden=False, overlay_BLD=None, overlay_BL=None):
+               return_hidden=False, overlay_BLD=None, overlay_BL=None, branch_ids_BL=None):
     c = self.cfg
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
@@ -177,7 +180,7 @@ class Transformer(nn.Module):
     x_BLD = constrain(x_BLD, (axes.BATCH, axes.SEQ, axes.EMBED))
     valid_BL = jnp.ones(tokens_BL.shape, bool) if segment_ids_BL is None else segment_ids_BL > 0
     rows_BL = {"positions": positions_BL, "segment_ids": segment_ids_BL, "indices": indices_BL,
-               "valid": valid_BL}
+               "valid": valid_BL, "branch_ids": branch_ids_BL}
     pipelined = not self.decode and not self.is_initializing() and pipeline.stage_axis()
     for name, kind, length in layer_plan(c):  # the cache makes its own indices when decoding
       if pipelined:
@@ -185,7 +188,7 @@ class Transformer(nn.Module):
       else:
         x_BLD, stats = stacked_layers(c, self.decode, name, kind, length,
                                       self.offload_activations and not self.decode)(
-            x_BLD, positions_BL, segment_ids_BL, indices_BL, valid_BL)
+            x_BLD, positions_BL, segment_ids_BL, indices_BL, valid_BL, branch_ids_BL)
       if stats is not None:  # per-layer MoE statistics, [layers, ...], read by the train step
         self.sow("moe_stats", f"{name}_stats", stats)
     x_BLD = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x_BLD)
@@ -217,7 +220,7 @@ class Transformer(nn.Module):
 
     def stage_fn(variables, x_bLD, rows_bL):
       return layers.apply(variables, x_bLD, rows_bL["positions"], rows_bL.get("segment_ids"),
-                          rows_bL.get("indices"), rows_bL["valid"])
+                          rows_bL.get("indices"), rows_bL["valid"], rows_bL.get("branch_ids"))
 
     y_BLD, sums = pipeline.pipeline(stage_fn, variables, x_BLD,
                                     {k: v for k, v in rows_BL.items() if v is not None},

@@ -49,6 +49,27 @@ def test_no_attention_across_documents():
   np.testing.assert_array_equal(m.apply({"params": params}, other, pos, seg)[:, 6:], packed[:, 6:])
 
 
+def test_branches_see_the_shared_prefix_and_themselves_only():
+  """A prefix of 5 tokens, then branches of 4, 3 and 4 (branch ids 0, 1, 2, 3; each branch's
+  positions continue the prefix's): each branch's logits are those of prefix + branch alone, and a
+  change in one branch leaves the others."""
+  m, params, tokens = make()
+  tokens = tokens[:1]
+  spans, branch = [(0, 5), (5, 9), (9, 12), (12, 16)], np.zeros(16, np.int32)
+  pos = np.zeros(16, np.int32)
+  for b, (lo, hi) in enumerate(spans):
+    branch[lo:hi], pos[lo:hi] = b, (5 if b else 0) + np.arange(hi - lo)
+  ids = dict(segment_ids_BL=jnp.ones((1, 16), jnp.int32), branch_ids_BL=jnp.asarray(branch)[None])
+  shared = m.apply({"params": params}, tokens, jnp.asarray(pos)[None], **ids)
+  for lo, hi in spans[1:]:
+    alone = m.apply({"params": params}, jnp.concatenate([tokens[:, :5], tokens[:, lo:hi]], 1))
+    np.testing.assert_allclose(shared[:, lo:hi], alone[:, 5:], atol=1e-5)
+  other = tokens.at[:, 5:9].set((tokens[:, 5:9] + 3) % 64)
+  changed = m.apply({"params": params}, other, jnp.asarray(pos)[None], **ids)
+  np.testing.assert_array_equal(changed[:, 9:], shared[:, 9:])
+  assert np.abs(changed[:, 5:9] - shared[:, 5:9]).max() > 1e-3
+
+
 @pytest.mark.slow  # keeps the default suite under 10 minutes on 2 cores; CI runs the slow set too
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_remat_equals_no_remat(remat):
