@@ -9,6 +9,8 @@ PYTEST_ARGS ?= -m "not slow"
 # The default suite runs on two workers, a test file each (its module fixtures once): most of its time is
 # single-threaded XLA compilation. The slow runs (multi-process, timed) run alone: XDIST= .
 XDIST ?= -n 2 --dist loadfile
+# the slowest tests of each run, printed after it: where to look before the suite outgrows its budget
+DURATIONS ?= --durations=15
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +35,7 @@ train: setup
 	$(PY) -m jaxtrain train --config=$(CONFIG) --workdir=$(WORKDIR)
 
 test: setup
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) $(DURATIONS)
 
 test-all: setup
 	$(PY) -m pytest -q -m ""
