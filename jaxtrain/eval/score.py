@@ -213,15 +213,15 @@ def batch_rows(needed: int, most: int, multiple: int) -> int:
   return min(most, -(-needed // (batches * multiple)) * multiple)
 
 
-def row_length(lengths_at, longest: int, rows: int, seq_len: int, flops_per_token) -> int:
+def row_length(rows_needed, longest: int, rows: int, seq_len: int, flops_per_token) -> int:
   """The power-of-two row length (MIN_ROW_LEN to seq_len, at least `longest`, the longest request's
-  inputs) with the fewest forward FLOPs: whole batches of rows packed with the units
-  `lengths_at(length)` gives at that length, times `flops_per_token(length)` (attention grows with
-  the length)."""
+  inputs) with the fewest forward FLOPs: the rows a call runs at that length (`rows_needed(length)`
+  packed rows, in batches of batch_rows), times `flops_per_token(length)` (attention grows with the
+  length)."""
   candidates = sorted({min(seq_len, max(MIN_ROW_LEN, 1 << k))
                        for k in range(max(longest - 1, 0).bit_length(), seq_len.bit_length() + 1)})
   def cost(length):
-    needed = packed_rows(sorted(lengths_at(length), reverse=True), length)
+    needed = rows_needed(length)
     per_batch = batch_rows(needed, rows_at(length, rows, seq_len), 1)
     return -(-needed // per_batch) * per_batch * length * flops_per_token(length)
   return min(candidates, key=cost)
@@ -230,7 +230,7 @@ def row_length(lengths_at, longest: int, rows: int, seq_len: int, flops_per_toke
 class Scorer:
   """Scores requests with one model: `loglikelihood(requests) -> [Score]`, batches of `rows` rows of
   `seq_len` tokens (default the model's max_seq_len), or more, shorter rows for short requests
-  (row_shape), each shape compiled once. With a `mesh`, rows lie over its data
+  (row_length), each shape compiled once. With a `mesh`, rows lie over its data
   axes and the params as `mesh_rules` (config.RULES) shards them; without one, on one device."""
 
   def __init__(self, model_cfg: ModelConfig, params, extra=None, rows: int = 8,
@@ -289,12 +289,14 @@ class Scorer:
     def units_at(length):
       return units(requests, fitted, length, self.share_contexts and length <= SHARE_UP_TO)
 
-    length = row_length(lambda n: [unit_length(u) for u in units_at(n)],
-                        max(len(full) - 1 for full in fitted), self.rows, self.seq_len,
-                        self._flops_per_token)
+    @functools.cache
+    def rows_needed(length):
+      return packed_rows(sorted(map(unit_length, units_at(length)), reverse=True), length)
+
+    length = row_length(rows_needed, max(len(full) - 1 for full in fitted), self.rows,
+                        self.seq_len, self._flops_per_token)
     shared = any(len(u.branches) > 1 for u in units_at(length))
-    rows = batch_rows(packed_rows(sorted(map(unit_length, units_at(length)), reverse=True), length),
-                      rows_at(length, self.rows, self.seq_len), self.shards)
+    rows = batch_rows(rows_needed(length), rows_at(length, self.rows, self.seq_len), self.shards)
     out = [None] * len(requests)
     pending = None  # dispatch batch n, then read batch n-1
     for batch, spans in [*pack(units_at(length), rows, length), (None, None)]:

@@ -154,8 +154,9 @@ class Transformer(nn.Module):
   prefix, b > 0 on branch b, which only branch b's later tokens see (eval/score.py scores a
   context's continuations in one document; attention.branched_attention). `return_hidden`: the
   final-normed hidden states [B, L, D] instead of the logits, for a loss that fuses the output
-  projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`). `overlay_BLD`: embeddings that replace the tokens' where `overlay_BL` is True
-  (model/vision.py's projected image patches).
+  projection (jaxtrain/kernels/cross_entropy; the head weight is `embed` or `unembed`).
+  `overlay_BLD`: embeddings that replace the tokens' where `overlay_BL` is True (model/vision.py's
+  projected image patches).
 
   With the `layers` axis split over a mesh axis (mesh.stage), training passes run the layers as a
   pipeline of `pipeline_microbatches` microbatches (0 = one per stage; jaxtrain/model/pipeline.py);

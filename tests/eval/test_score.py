@@ -68,7 +68,8 @@ def test_short_requests_pack_into_shorter_rows_with_the_same_scores(model):
   assert score.rows_at(16, 3, 256) == 48  # still a multiple of 3, for the data axes
   flat = lambda length: 1.0  # attention costs nothing: the fewest slots win
   growing = lambda length: 1.0 + length / 64  # attention dominates: short rows win
-  same = lambda lengths: lambda length: lengths  # the same units at every row length
+  # rows needed at each row length, for the same units at every length
+  same = lambda lengths: lambda length: score.packed_rows(sorted(lengths, reverse=True), length)
   assert score.row_length(same([40] * 600), 40, 8, 256, flat) == 128  # 3 a row (94%) beats 1 (63%)
   assert score.row_length(same([40] * 600), 40, 8, 256, growing) == 64
   assert score.row_length(same([200, 3]), 200, 8, 256, growing) == 256  # never below the longest
