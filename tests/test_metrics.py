@@ -15,6 +15,7 @@ from jaxtrain.core.step import make_train_step
 from tests.fixtures import tiny_config
 
 
+@pytest.mark.optimized
 @pytest.mark.slow  # ~23 s on 2 cores: the default suite stays under 10 minutes
 def test_flops_formula_matches_xla_cost_analysis():
   cfg = tiny_config(mesh=dict(data=1), model=dict(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768,

@@ -1,15 +1,17 @@
 """Executes notebooks top to bottom on CPU, as CI does, with a small step budget; fails on an error in any cell
 and on a warning that a cell prints.
 
-  python tools/run_notebooks.py [NOTEBOOK ...] [--steps N] [--timeout S] [--keep DIR]
+  python tools/run_notebooks.py [NOTEBOOK ...] [--steps N] [--timeout S] [--keep DIR] [--jobs J]
 
 Default: every notebooks/*.ipynb. Each runs in a fresh kernel (ipykernel of this Python, driven by nbclient)
 whose working directory is a new temporary folder (its runs/ land there), with this repository first on
 PYTHONPATH, JAX_PLATFORMS=cpu, no XLA_FLAGS (a notebook sets its own) and JAXTRAIN_NB_STEPS=N (the
-notebooks' `STEPS`). `--keep DIR` writes the executed notebooks there. Exit status 1 names the notebook
-and the cell; 0 prints one line per notebook with its time."""
+notebooks' `STEPS`). `--keep DIR` writes the executed notebooks there. `--jobs J` runs J notebooks at a time
+(their kernels are separate processes). Exit status 1 names the notebook and the cell; 0 prints one line per
+notebook with its time, as each ends."""
 
 import argparse
+import concurrent.futures
 import glob
 import json
 import os
@@ -94,21 +96,27 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=4, help="JAXTRAIN_NB_STEPS: each notebook's STEPS")
   parser.add_argument("--timeout", type=int, default=1200, help="seconds one cell may take")
   parser.add_argument("--keep", metavar="DIR", help="write the executed notebooks here")
+  parser.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
   args = parser.parse_args(argv)
   paths = args.notebooks or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
   if not paths:
     print("run_notebooks.py: no notebooks", file=sys.stderr)
     return 2
-  total = 0.0
-  for path in paths:
-    try:
-      nb, seconds = run(path, args.steps, args.timeout, args.keep)
-    except NotebookFailed as e:
-      print(f"run_notebooks.py: FAILED {e}", file=sys.stderr)
-      return 1
-    total += seconds
-    print(f"{os.path.basename(path)}: ok in {seconds:.0f} s ({progress_bars(nb)} progress bars)", flush=True)
-  print(f"all notebooks: {total:.0f} s")
+  start, failed = time.perf_counter(), []
+  with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    runs = {pool.submit(run, path, args.steps, args.timeout, args.keep): path for path in paths}
+    for done in concurrent.futures.as_completed(runs):
+      try:
+        nb, seconds = done.result()
+      except NotebookFailed as e:
+        failed.append(str(e))
+        print(f"run_notebooks.py: FAILED {e}", file=sys.stderr, flush=True)
+        continue
+      print(f"{os.path.basename(runs[done])}: ok in {seconds:.0f} s ({progress_bars(nb)} progress bars)",
+            flush=True)
+  if failed:
+    return 1
+  print(f"all notebooks: {time.perf_counter() - start:.0f} s")
   print(f"{len(paths)} passed, 0 failed")
   return 0
 

@@ -202,6 +202,7 @@ def test_lora_grpo_runs_with_the_base_as_reference(tmp_path):
   assert save_bytes(run_dir) < save_bytes(base_dir) / 10
 
 
+@pytest.mark.optimized
 @pytest.mark.slow  # compiles two steps
 def test_compiled_step_memory_with_lora_is_below_full_fine_tuning(tmp_path, monkeypatch):
   """The optimizer's moments and the gradient are adapter-sized: the step's argument bytes are the

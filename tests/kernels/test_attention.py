@@ -158,6 +158,7 @@ def temp_bytes(fn, b, l, h, kd):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.optimized
 @pytest.mark.slow  # compiles 7 programs up to 16K tokens (~1 min here)
 def test_blockwise_memory_grows_linearly_xla_quadratically():
   lengths = [2048, 4096, 8192, 16384]

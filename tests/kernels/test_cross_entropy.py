@@ -113,6 +113,7 @@ def _head_temp_bytes(impl, n, d, v):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.optimized
 @pytest.mark.slow  # two compiles at gpt2_small's head size
 def test_head_memory_is_a_chunk_not_the_logits():
   """gpt2_small's head and loss at 8 x 1024 tokens (loss + grad, compiled, not run): the unfused one holds
@@ -138,6 +139,7 @@ def _step_temp_bytes(cross_entropy: str, remat: str, attention: str = "xla", att
   return grad.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.optimized
 @pytest.mark.slow  # six CPU compiles of gpt2_small, ~25 s each
 def test_gpt2_small_train_gradient_memory():
   """The whole loss + gradient of gpt2_small at 8 x 1024 (compiled, not run) saves the [N, V] float32 logits,

@@ -15,6 +15,9 @@ from jaxtrain.plan.compiled import compiled_memory
 from tests.fixtures import tiny_config
 from tests.plan.accuracy import predicted_and_measured
 
+# memory and step time as XLA optimizes them (tests/conftest.py turns optimizing off for the rest)
+pytestmark = pytest.mark.optimized
+
 MEMORY_TOLERANCE = 0.15
 STEP_TIME_TOLERANCE = 0.30
 

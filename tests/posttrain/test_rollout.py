@@ -187,6 +187,7 @@ def test_too_long_is_refused(setup):
     rollout_lib.rollout(model, params, prompts, jnp.asarray(LENS), jax.random.key(0), 11)
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_rollout_is_5x_the_naive_sampler():
   """Issue 13: tokens/s of the KV-cache rollout >= 5x the naive sampler at 128 new tokens (benchmarks/rollout.py,

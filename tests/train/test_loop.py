@@ -62,6 +62,7 @@ def test_sample_continues_prompt(tmp_path):
   assert again == text  # greedy decoding is deterministic
 
 
+@pytest.mark.optimized
 @pytest.mark.slow
 def test_tiny_reaches_entropy_floor(tmp_path):
   cfg = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))

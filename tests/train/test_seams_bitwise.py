@@ -8,6 +8,9 @@ import pytest
 
 from tests.train import seams_reference as ref
 
+# recorded with XLA's optimizations (tests/conftest.py turns them off for the rest)
+pytestmark = pytest.mark.optimized
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
