@@ -1,5 +1,5 @@
-"""8 virtual CPU devices for every test, set before jax is imported; one compilation cache per test run;
-XLA's optimizations off but for the tests marked `optimized`."""
+"""8 virtual CPU devices for every test, set before jax is imported; one compilation cache per test
+run; XLA's optimizations off but for the tests marked `optimized`."""
 
 import os
 import shutil
@@ -18,12 +18,12 @@ if _OWN_CACHE:
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-# Most tests compile small programs and run them for a few steps: XLA:CPU's LLVM optimizations are most of
-# their time (the tiny VLM's init: 14.3 s to compile, 3.1 s without them), so they are off, here and in the
-# processes tests start. Results are compared within a run, or to references with tolerances, never to
-# figures recorded with other flags. Tests whose subject is speed, or that run long enough for the slower
-# code to cost more than compiling saves (tiny's convergence: 198 s optimized, 342 s not), are marked
-# `optimized`; JAXTRAIN_TEST_OPTIMIZE=1 optimizes every test.
+# Most tests compile small programs and run them for a few steps: XLA:CPU's LLVM optimizations are
+# most of their time (the tiny VLM's init: 14.3 s to compile, 3.1 s without them), so they are off,
+# here and in the processes tests start. Results are compared within a run, or to references with
+# tolerances, never to figures recorded with other flags. Tests whose subject is speed, or that run
+# long enough for the slower code to cost more than compiling saves (tiny's convergence: 198 s
+# optimized, 342 s not), are marked `optimized`; JAXTRAIN_TEST_OPTIMIZE=1 optimizes every test.
 _OPTIMIZE_ALL = os.environ.get("JAXTRAIN_TEST_OPTIMIZE", "") == "1"
 if not _OPTIMIZE_ALL:
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
@@ -41,19 +41,14 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(autouse=True)
 def _xla_optimizations(request, monkeypatch):
-  """XLA's optimizations on for a test marked `optimized` (and the processes it starts); the programs
-  compiled before it and after it, without them, are dropped from jax's in-memory caches (the
-  persistent cache's key holds the optimization level)."""
-  if _OPTIMIZE_ALL or request.node.get_closest_marker("optimized") is None:
-    yield
-    return
-  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
-  jax.config.update("jax_disable_most_optimizations", False)
-  jax.clear_caches()
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", True)
+  """XLA's optimizations on for a test marked `optimized` (and the processes it starts), off for the
+  rest; jax's in-memory caches are dropped only when that changes (the persistent cache's key holds
+  it), so that consecutive tests of one kind keep their traces."""
+  optimize = _OPTIMIZE_ALL or request.node.get_closest_marker("optimized") is not None
+  if optimize and not _OPTIMIZE_ALL:
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+  if jax.config.read("jax_disable_most_optimizations") == optimize:
+    jax.config.update("jax_disable_most_optimizations", not optimize)
     jax.clear_caches()
 
 

@@ -6,9 +6,9 @@ and on a warning that a cell prints.
 Default: every notebooks/*.ipynb. Each runs in a fresh kernel (ipykernel of this Python, driven by nbclient)
 whose working directory is a new temporary folder (its runs/ land there), with this repository first on
 PYTHONPATH, JAX_PLATFORMS=cpu, no XLA_FLAGS (a notebook sets its own) and JAXTRAIN_NB_STEPS=N (the
-notebooks' `STEPS`). `--keep DIR` writes the executed notebooks there. `--jobs J` runs J notebooks at a time
-(their kernels are separate processes). Exit status 1 names the notebook and the cell; 0 prints one line per
-notebook with its time, as each ends."""
+notebooks' `STEPS`). `--keep DIR` writes the executed notebooks there. `--jobs J` runs J notebooks
+at a time (their kernels are separate processes). Exit status 1 names the notebook and the cell; 0
+prints one line per notebook with its time, as each ends."""
 
 import argparse
 import concurrent.futures
@@ -112,8 +112,8 @@ def main(argv=None) -> int:
         failed.append(str(e))
         print(f"run_notebooks.py: FAILED {e}", file=sys.stderr, flush=True)
         continue
-      print(f"{os.path.basename(runs[done])}: ok in {seconds:.0f} s ({progress_bars(nb)} progress bars)",
-            flush=True)
+      name = os.path.basename(runs[done])
+      print(f"{name}: ok in {seconds:.0f} s ({progress_bars(nb)} progress bars)", flush=True)
   if failed:
     return 1
   print(f"all notebooks: {time.perf_counter() - start:.0f} s")

@@ -94,9 +94,10 @@ def test_error_feedback_cancels_the_bias_of_int4_over_steps(mesh):
 
 
 def test_feedback_buffers_live_on_their_replica(mesh):
-  # each replica's own values, which int8 cannot hold: a constant block (r + 1) / 3 rounds back to itself or
-  # not by the last bit of the scale, as XLA orders the division
-  grads = np.stack([np.random.default_rng(r).standard_normal(1024).astype(np.float32) for r in range(R)])
+  # each replica's own values, which int8 cannot hold: a constant block (r + 1) / 3 rounds back to
+  # itself or not by the last bit of the scale, as XLA orders the division
+  draws = [np.random.default_rng(r).standard_normal(1024) for r in range(R)]
+  grads = np.stack(draws).astype(np.float32)
   _, state = transformation_run(mesh, "int8", "ef", grads, 1)
   residual = state.residual
   assert residual.shape[0] == R and residual.sharding.spec[0] == "replica"

@@ -11,8 +11,8 @@ from jaxtrain.aot import targets
 
 
 def pytest_collection_modifyitems(items):
-  """What a target's compile holds (memory, schedules, collectives) is the optimized program's: every test
-  here compiles with XLA's optimizations (tests/conftest.py turns them off elsewhere)."""
+  """What a target's compile holds (memory, schedules, collectives) is the optimized program's:
+  every test here compiles with XLA's optimizations (tests/conftest.py turns them off elsewhere)."""
   here = pathlib.Path(__file__).parent
   for item in items:
     if here in item.path.parents:

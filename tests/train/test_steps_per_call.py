@@ -104,9 +104,9 @@ def test_a_run_resumed_in_calls_equals_the_uninterrupted_run_of_single_steps(tmp
   jax.tree.map(np.testing.assert_array_equal, a.opt_state, b.opt_state)
 
 
-# Bitwise as XLA optimizes both programs, as a run compiles them: unoptimized (tests/conftest.py), the lr of
-# step 5, the schedule evaluated inside the second call's scan, came out an ulp from the single call's
-# (0.0072220745 vs 0.0072220755); every other column agreed.
+# Bitwise as XLA optimizes both programs, as a run compiles them: unoptimized (tests/conftest.py),
+# the lr logged at step 5, the first of the second call's scan, came out an ulp from the single
+# call's (0.0072220745 vs 0.0072220755); every other column agreed.
 @pytest.mark.optimized
 @pytest.mark.slow  # two DiLoCo runs, each compiling a call of 4 replicas' inner steps
 def test_streaming_diloco_calls_are_bitwise_single_steps(tmp_path):
