@@ -7,15 +7,13 @@ process, no XLA_FLAGS); a patch stands for a change to jaxtrain itself that woul
 """
 
 import contextlib
-import functools
 from unittest import mock
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.kernels.attention import reference
-from jaxtrain.model import attention, axes, fp8, transformer
+from jaxtrain.model import attention, axes, dense, transformer
 from jaxtrain.model import mlp as mlp_lib
 from jaxtrain.model.layers import param
 
@@ -41,74 +39,20 @@ class FusedGateUpMlp(mlp_lib.Mlp):
     return jnp.einsum("BLF,FD->BLD", jax.nn.silu(gate_BLF) * up_BLF, w_down.astype(cd))
 
 
-def causal_chunked_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,
-                             k_index_BS, cfg, chunks: int = 4):
-  """attention.xla_attention with the queries in `chunks` blocks, block i against the keys of
-  blocks 0..i only: the blocks above the diagonal, masked anyway, are never computed (10/16 of the
-  scores for 4 blocks). Valid for in-order indices (arange, as LM batches without `indices` have),
-  which `attention.choose` knows as `in_order`."""
-  del cfg
-  mask_BLS = reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
-  c = q_BLHK.shape[1] // chunks
-  return jnp.concatenate([
-      attention.dot_product_attention(q_BLHK[:, i * c:(i + 1) * c], k_BSGK[:, :(i + 1) * c],
-                                      v_BSGK[:, :(i + 1) * c],
-                                      mask_BLS[:, i * c:(i + 1) * c, :(i + 1) * c])
-      for i in range(chunks)], axis=1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum_vjp(spec: str, a, b):
-  """jnp.einsum(spec, a, b) of two operands whose backward is written as two einsums, the weight
-  gradient with the activation first ("BLD,BLF->DF"). jax's own transpose of dot_general yields
-  that gradient as [F, D] and a transpose, which XLA:CPU turns into a materialized, transposed
-  [F, tokens] copy of the output gradient."""
-  return jnp.einsum(spec, a, b)
-
-
-def _einsum_fwd(spec, a, b):
-  return jnp.einsum(spec, a, b), (a, b)
-
-
-def _einsum_bwd(spec, residuals, g):
-  a, b = residuals
-  (sa, sb), sc = spec.split("->")[0].split(","), spec.split("->")[1]
-  return jnp.einsum(f"{sc},{sb}->{sa}", g, b), jnp.einsum(f"{sa},{sc}->{sb}", a, g)
-
-
-einsum_vjp.defvjp(_einsum_fwd, _einsum_bwd)
-
-
-FP8_EINSUM = fp8.einsum  # jaxtrain's own, which projection_einsum stands in for
-
-
-def projection_einsum(spec, x, w, mode="off"):
-  """fp8.einsum with mode "off" through einsum_vjp."""
-  return einsum_vjp(spec, x, w) if mode == "off" else FP8_EINSUM(spec, x, w, mode)
-
-
 def dot_product_attention_vjp(q_BLHK, k_BSGK, v_BSGK, mask_BLS):
-  """attention.dot_product_attention with both einsums through einsum_vjp."""
+  """attention.dot_product_attention with both einsums through dense.einsum_vjp."""
   r = q_BLHK.shape[2] // k_BSGK.shape[2]
   k_BSHK, v_BSHK = jnp.repeat(k_BSGK, r, axis=2), jnp.repeat(v_BSGK, r, axis=2)
   scale = 1.0 / jnp.sqrt(q_BLHK.shape[-1]).astype(jnp.float32)
-  scores_BHLS = einsum_vjp("BLHK,BSHK->BHLS", q_BLHK, k_BSHK) * scale
+  scores_BHLS = dense.einsum_vjp("BLHK,BSHK->BHLS", q_BLHK, k_BSHK) * scale
   scores_BHLS = jnp.where(mask_BLS[:, None], scores_BHLS, attention.NEG_INF)
   probs_BHLS = jax.nn.softmax(scores_BHLS, axis=-1).astype(v_BSHK.dtype)
-  return einsum_vjp("BHLS,BSHK->BLHK", probs_BHLS, v_BSHK)
+  return dense.einsum_vjp("BHLS,BSHK->BLHK", probs_BHLS, v_BSHK)
 
 
 # The patches: each a change to jaxtrain itself, in force while a try's step is traced.
 def fused_gate_up():
   return mock.patch.object(transformer, "Mlp", FusedGateUpMlp)
-
-
-def causal_chunks():
-  return mock.patch.dict(attention.IMPLEMENTATIONS, xla=causal_chunked_attention)
-
-
-def projections_einsum_vjp():
-  return mock.patch.object(fp8, "einsum", projection_einsum)
 
 
 def attention_einsum_vjp():
@@ -132,16 +76,13 @@ TRIES = {
     "ce_chunked": ({"train": {"cross_entropy": "chunked"}}, {}, ()),
     "no_skip_nonfinite": ({"optim": {"skip_nonfinite": False}}, {}, ()),
     "fused_gate_up": ({}, {}, (fused_gate_up,)),
-    "attention_causal_chunks": ({}, {}, (causal_chunks,)),
-    "einsum_vjp": ({}, {}, (projections_einsum_vjp,)),
-    "einsum_vjp+causal_chunks": ({}, {}, (projections_einsum_vjp, causal_chunks)),
-    "einsum_vjp+ynn_off": ({}, YNN_OFF, (projections_einsum_vjp,)),
-    "einsum_vjp+causal_chunks+ynn_off": ({}, YNN_OFF, (projections_einsum_vjp, causal_chunks)),
-    "einsum_vjp+causal_chunks+eigen_1_thread": (
-        {}, EIGEN_1_THREAD, (projections_einsum_vjp, causal_chunks)),
-    "einsum_vjp_all": ({}, {}, (projections_einsum_vjp, attention_einsum_vjp)),
-    "einsum_vjp_all+causal_chunks": (
-        {}, {}, (projections_einsum_vjp, attention_einsum_vjp, causal_chunks)),
+    # the two changes of 2026-12-07, now CPU's defaults (model.projection_vjp "einsum", attention
+    # "xla_causal"; before: the tries "einsum_vjp" and "attention_causal_chunks"), each undone
+    "projection_vjp_jax": ({"model": {"projection_vjp": "jax"}}, {}, ()),
+    "attention_xla": ({"model": {"attention": "xla"}}, {}, ()),
+    "before": ({"model": {"projection_vjp": "jax", "attention": "xla"}}, {}, ()),
+    "ynn_off+before": ({"model": {"projection_vjp": "jax", "attention": "xla"}}, YNN_OFF, ()),
+    "einsum_vjp_all": ({}, {}, (attention_einsum_vjp,)),  # the attention core's einsums too
 }
 
 

@@ -15,12 +15,13 @@ GROUPED_MATMUL = ("auto", "tiles", "ragged_dot")
 REMAT = ("none", "dots", "full")
 DTYPES = ("float32", "bfloat16")
 FUSED_NORM = ("off", "xla", "pallas")  # off, or jaxtrain/kernels/rms_norm/ops.py IMPLEMENTATIONS
-ATTENTION = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
+ATTENTION = ("auto", "xla", "xla_causal", "blockwise", "cudnn", "pallas", "splash")
 # RoPE scaling: none; linear = position interpolation (Chen et al., 2023); llama3 = Llama 3.1's
 # frequency-dependent scaling; yarn (Peng et al., 2023). The math: jaxtrain/model/layers.py; HF
 # import/export: checkpoint/hf.py.
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 FP8 = ("off", "current")  # jaxtrain/model/fp8.py MODES
+PROJECTION_VJP = ("auto", "jax", "einsum")  # jaxtrain/model/dense.py PROJECTION_VJP
 # decoder: jaxtrain/model/transformer.py; encoder: the BERT-style bidirectional encoder of
 # jaxtrain/model/encoder.py, trained by train.task=mlm
 ARCHS = ("decoder", "encoder")
@@ -94,13 +95,18 @@ class ModelConfig:
   rope_attention_factor: float = 0.0
   # Attention implementation (jaxtrain/model/attention.py): one of ATTENTION; auto: splash on TPU,
   # cudnn on GPU (the Pallas flash kernel for packed rows, permuted indices or float32), CPU by
-  # length; permuted indices on TPU: xla, blockwise from 2048 keys
+  # length (xla_causal: xla skipping the scores above the diagonal; blockwise from 2048 keys);
+  # permuted indices on TPU: xla, blockwise from 2048 keys
   attention: str = "auto"
   attention_block: int = 512  # blockwise: keys/values (and queries) per block
   # FP8 dense and expert matmuls (jaxtrain/model/fp8.py): one of FP8; "current" = e4m3 forward, e5m2
   # gradients, per-tensor scales from each tensor's own amax. Router, embedding, head, attention
   # core stay.
   fp8: str = "off"
+  # How the dense projections' gradients are formed (jaxtrain/model/dense.py): one of
+  # PROJECTION_VJP; "jax" = jax's transpose of the einsum, "einsum" = two einsums written out (no
+  # transposed copy of the output gradient on XLA:CPU); auto = einsum on CPU, jax elsewhere
+  projection_vjp: str = "auto"
   # Pipeline (mesh.stage > 1, jaxtrain/model/pipeline.py): each stage runs its layers this many
   # times per microbatch, holding layers s, s + S, ... in units of n_layers / (S x repeats); 1 =
   # GPipe. More repeats shrink the bubble (S - 1) / (M x repeats + S - 1).
@@ -199,7 +205,8 @@ def validate_model(cfg, shape) -> None:
   for key, choices in (("remat", REMAT), ("param_dtype", DTYPES), ("compute_dtype", DTYPES),
                        ("router", ROUTERS), ("dispatch", DISPATCH),
                        ("grouped_matmul", GROUPED_MATMUL), ("fused_norm", FUSED_NORM),
-                       ("attention", ATTENTION), ("fp8", FP8)):
+                       ("attention", ATTENTION), ("fp8", FP8),
+                       ("projection_vjp", PROJECTION_VJP)):
     check_choice(f"model.{key}", m[key], choices)
   for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "max_seq_len", "attention_block"):

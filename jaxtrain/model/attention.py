@@ -19,13 +19,14 @@ from jaxtrain.collectives import constrain
 from jaxtrain.config import ConfigError, ModelConfig
 from jaxtrain.kernels import manual, platform
 from jaxtrain.kernels.attention import blockwise, reference
-from jaxtrain.model import axes, context, fp8, pipeline
+from jaxtrain.model import axes, context, dense, pipeline
 from jaxtrain.model.layers import param, rope
 
 NEG_INF = -1e30
 # auto on CPU: xla (materialized scores) below this many keys, blockwise from it; the measured
 # crossover lies between 1K and 4K tokens (benchmarks/RESULTS.md, "Attention implementations")
 CPU_BLOCKWISE_FROM = 2048
+QUERY_BLOCKS = 4  # xla_causal: the queries in this many blocks (10/16 of the scores computed)
 
 
 def dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS):
@@ -45,6 +46,28 @@ def xla_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL
   (unlike the reference's zeros), which only padding queries do."""
   mask_BLS = reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
   return dot_product_attention(q_BLHK, k_BSGK, v_BSGK, mask_BLS)
+
+
+def xla_causal_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL,
+                         k_index_BS, cfg):
+  """xla_attention with the queries in QUERY_BLOCKS blocks, block i against the keys of blocks
+  0..i only: the scores above the diagonal, masked anyway, are never computed. Exact (the skipped
+  keys' weights are exact zeros) where indices are arange, which `choose` picks it for, but for a
+  query that attends no key (padding), which averages its block's keys' values; queries that are
+  not the keys (L != S: context parallelism's shards) and lengths QUERY_BLOCKS does not divide run
+  xla_attention.
+  On CPU, with the projections' einsum backward, 1.19-1.47x small_20m's step before both
+  (benchmarks/RESULTS.md, "jaxtrain vs PyTorch on CPU")."""
+  l, s = q_BLHK.shape[1], k_BSGK.shape[1]
+  if l != s or l % QUERY_BLOCKS:
+    return xla_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
+                         cfg)
+  mask_BLS = reference.mask(q_segment_BL, k_segment_BS, q_index_BL, k_index_BS)
+  c = l // QUERY_BLOCKS
+  return jnp.concatenate([
+      dot_product_attention(q_BLHK[:, i * c:(i + 1) * c], k_BSGK[:, :(i + 1) * c],
+                            v_BSGK[:, :(i + 1) * c], mask_BLS[:, i * c:(i + 1) * c, :(i + 1) * c])
+      for i in range(QUERY_BLOCKS)], axis=1)
 
 
 def blockwise_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index_BL, k_index_BS,
@@ -92,6 +115,7 @@ def splash_attention(q_BLHK, k_BSGK, v_BSGK, q_segment_BL, k_segment_BS, q_index
 
 IMPLEMENTATIONS = {
     "xla": xla_attention,
+    "xla_causal": xla_causal_attention,
     "blockwise": blockwise_attention,
     "cudnn": cudnn_attention,
     "pallas": pallas_attention,
@@ -101,7 +125,8 @@ IMPLEMENTATIONS = {
 # anywhere. The Pallas flash kernel is Triton's (interpreted on CPU): its blocks do not tile as
 # Mosaic needs.
 BACKENDS = {"cudnn": ("gpu",), "splash": ("tpu",), "pallas": ("gpu", "cpu")}
-IN_ORDER_ONLY = ("cudnn", "splash")  # causal by position in the row: cannot honour permuted indices
+# causal by position in the row: cannot honour permuted indices
+IN_ORDER_ONLY = ("cudnn", "splash", "xla_causal")
 KERNELS = ("pallas", "splash")  # custom calls: compiled, they run per shard (`per_shard`)
 
 
@@ -124,7 +149,9 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None, causal=Tru
   CPU_BLOCKWISE_FROM keys). Decoding (queries against the whole KV cache, a few queries at a time,
   memory-bound) runs xla unless blockwise was asked for: the kernels expect L == S. Not `causal`
   (the encoder, which config refuses anything but auto, xla and blockwise): xla, blockwise from
-  CPU_BLOCKWISE_FROM keys, on every backend (no kernel is checked bidirectional yet)."""
+  CPU_BLOCKWISE_FROM keys, on every backend (no kernel is checked bidirectional yet). `auto` on
+  CPU: xla_causal for in-order indices (xla for permuted ones), blockwise from
+  CPU_BLOCKWISE_FROM keys."""
   backend = backend or platform.backend()
   name = cfg.attention
   if not causal:
@@ -138,7 +165,7 @@ def choose(cfg, length, packed, in_order, decode=False, backend=None, causal=Tru
     raise ConfigError(f"model.attention='cudnn' needs compute_dtype bfloat16 or float16, got "
                       f"{cfg.compute_dtype!r}; use auto, xla or blockwise")
   if name == "auto":
-    cpu = "xla" if length < CPU_BLOCKWISE_FROM else "blockwise"
+    cpu = ("xla_causal" if in_order else "xla") if length < CPU_BLOCKWISE_FROM else "blockwise"
     gpu = "cudnn" if half and not packed and in_order else "pallas"
     name = {"tpu": "splash", "gpu": gpu}.get(backend, cpu)
   if decode and name != "blockwise":
@@ -249,9 +276,9 @@ class Attention(nn.Module):
                 (axes.HEADS, axes.HEAD_DIM, axes.EMBED), pd, out_std)
 
     x_BLD = x_BLD.astype(cd)
-    q_BLHK = fp8.einsum("BLD,DHK->BLHK", x_BLD, w_q.astype(cd), c.fp8)
-    k_BLGK = fp8.einsum("BLD,DGK->BLGK", x_BLD, w_k.astype(cd), c.fp8)
-    v_BLGK = fp8.einsum("BLD,DGK->BLGK", x_BLD, w_v.astype(cd), c.fp8)
+    q_BLHK = dense.einsum("BLD,DHK->BLHK", x_BLD, w_q.astype(cd), c)
+    k_BLGK = dense.einsum("BLD,DGK->BLGK", x_BLD, w_k.astype(cd), c)
+    v_BLGK = dense.einsum("BLD,DGK->BLGK", x_BLD, w_v.astype(cd), c)
     q_BLHK = constrain(rope(q_BLHK, positions_BL, c),
                        (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
     k_BLGK = constrain(rope(k_BLGK, positions_BL, c),
@@ -272,7 +299,7 @@ class Attention(nn.Module):
       out_BLHK = attend(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, segment_ids_BL, index_BL, index_BL,
                         c)
     out_BLHK = constrain(out_BLHK, (axes.BATCH, axes.SEQ, axes.HEADS, axes.HEAD_DIM))
-    return fp8.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd), c.fp8)
+    return dense.einsum("BLHK,HKD->BLD", out_BLHK, w_o.astype(cd), c)
 
   def _update_cache(self, k_BLGK, v_BLGK, segment_ids_BL):
     """Writes the new keys/values and segment ids at the cache index; returns the cache (keys,

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 
 from jaxtrain.collectives import constrain
-from jaxtrain.model import axes, fp8
+from jaxtrain.model import axes, dense
 from jaxtrain.model.layers import param
 
 
@@ -20,7 +20,7 @@ class Mlp(nn.Module):
     w_up = param(self, "up", (c.d_model, c.d_ff), (axes.EMBED, axes.MLP), pd, c.init_std)
     w_down = param(self, "down", (c.d_ff, c.d_model), (axes.MLP, axes.EMBED), pd, out_std)
     x_BLD = x_BLD.astype(cd)
-    gate_BLF = fp8.einsum("BLD,DF->BLF", x_BLD, w_gate.astype(cd), c.fp8)
-    up_BLF = fp8.einsum("BLD,DF->BLF", x_BLD, w_up.astype(cd), c.fp8)
+    gate_BLF = dense.einsum("BLD,DF->BLF", x_BLD, w_gate.astype(cd), c)
+    up_BLF = dense.einsum("BLD,DF->BLF", x_BLD, w_up.astype(cd), c)
     h_BLF = constrain(jax.nn.silu(gate_BLF) * up_BLF, (axes.BATCH, axes.SEQ, axes.MLP))
-    return fp8.einsum("BLF,FD->BLD", h_BLF, w_down.astype(cd), c.fp8)
+    return dense.einsum("BLF,FD->BLD", h_BLF, w_down.astype(cd), c)

@@ -70,7 +70,7 @@ def _attention_impl(m: ModelConfig, seq_len: int, kind: str, context: int = 1,
     name = name or ("xla" if seq_len < CPU_BLOCKWISE_FROM else "blockwise")
   if (name in IN_ORDER_ONLY and context > 1) or (name == "splash" and stages > 1):
     return "blockwise" if seq_len >= CPU_BLOCKWISE_FROM else "xla"
-  return name
+  return "xla" if name == "xla_causal" else name  # its scores: at most xla's
 
 
 def memory_bytes(cfg, shape: dict, kind: str) -> tuple[dict, int]:
@@ -224,7 +224,7 @@ def candidates(cfg, n_devices: int) -> list[tuple[str, object]]:
     out.append((f"mesh.fsdp={shape['fsdp'] * shape['data']} mesh.data=1", changed))
   if t.cross_entropy == "full":
     out.append(("train.cross_entropy=chunked", with_values(cfg, train__cross_entropy="chunked")))
-  if m.attention in ("auto", "xla"):
+  if m.attention in ("auto", "xla", "xla_causal"):
     out.append(("model.attention=blockwise", with_values(cfg, model__attention="blockwise")))
   return out
 

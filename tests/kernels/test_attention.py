@@ -83,6 +83,22 @@ def test_xla_equals_reference_on_attending_queries(dtype):
   assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("b, l, s, dtype", [
+    (2, 64, 64, jnp.float32),  # 4 query blocks of 16
+    (1, 64, 64, jnp.bfloat16),
+    (2, 37, 37, jnp.float32),  # 4 does not divide 37: one block, xla's program
+    (2, 20, 52, jnp.float32),  # queries a chunk of a longer context: one block
+])
+def test_xla_causal_equals_reference_and_xla_on_keys_in_order(b, l, s, dtype):
+  """Query blocks against the keys up to their diagonal: the reference's values and gradients, and
+  xla's to rounding (the keys it skips weigh exact zeros there)."""
+  args = inputs(b, l, s, 4, 2, 8, dtype, permute=False)
+  cfg = ModelConfig(attention="xla_causal")
+  got = loss_and_grads(lambda *a: attention.xla_causal_attention(*a, cfg), args)
+  assert_close(got, loss_and_grads(reference.attention, args), dtype)
+  assert_close(got, loss_and_grads(lambda *a: attention.xla_attention(*a, cfg), args), dtype)
+
+
 def test_pallas_equals_reference():
   ops = pytest.importorskip("jaxtrain.kernels.flash_attention.ops")
   del ops
@@ -105,7 +121,10 @@ def test_choose_float32_on_gpu_takes_no_cudnn():
 
 
 @pytest.mark.parametrize("name, backend, length, packed, in_order, decode, want", [
-    ("auto", "cpu", 128, True, True, False, "xla"),
+    ("auto", "cpu", 128, True, True, False, "xla_causal"),
+    ("auto", "cpu", 128, True, False, False, "xla"),  # query blocks need keys in order
+    ("xla_causal", "cpu", 128, True, False, False, "xla"),
+    ("auto", "cpu", 128, True, True, True, "xla"),  # decoding
     ("auto", "cpu", attention.CPU_BLOCKWISE_FROM, True, True, False, "blockwise"),
     ("auto", "gpu", 4096, False, True, False, "cudnn"),
     # cudnn cannot mask packed documents, nor permuted indices: the Pallas flash kernel, checked
