@@ -81,7 +81,6 @@ TRIES = {
     "projection_vjp_jax": ({"model": {"projection_vjp": "jax"}}, {}, ()),
     "attention_xla": ({"model": {"attention": "xla"}}, {}, ()),
     "before": ({"model": {"projection_vjp": "jax", "attention": "xla"}}, {}, ()),
-    "ynn_off+before": ({"model": {"projection_vjp": "jax", "attention": "xla"}}, YNN_OFF, ()),
     "einsum_vjp_all": ({}, {}, (attention_einsum_vjp,)),  # the attention core's einsums too
 }
 

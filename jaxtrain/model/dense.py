@@ -6,8 +6,9 @@ gradients are formed:
   transpose, which XLA:CPU turns into a transposed, materialized copy of the output gradient
   (untiled, element by element: 9-11% of small_20m's CPU step for the SwiGLU's alone).
 - "einsum": two einsums written out, the weight gradient with the activation first
-  ("BLD,BLF->DF") and the input gradient as "BLF,DF->BLD"; the same values to rounding, 1.16-1.39x
-  small_20m's CPU step (benchmarks/RESULTS.md, "jaxtrain vs PyTorch on CPU").
+  ("BLD,BLF->DF") and the input gradient as "BLF,DF->BLD"; the same values to rounding, about
+  1.23x small_20m's CPU step on an Intel and 1.16-1.39x on an AMD host (benchmarks/RESULTS.md,
+  "jaxtrain vs PyTorch on CPU").
 - "auto": "einsum" on CPU, where it was measured and checked (tests/model/test_dense.py); "jax" on
   GPU and TPU, where it has not run.
 
@@ -24,12 +25,6 @@ from jaxtrain.model import fp8
 PROJECTION_VJP = ("auto", "jax", "einsum")  # config/model.py mirrors this
 
 
-def _operand_specs(spec):
-  inputs, out = spec.replace(" ", "").split("->")
-  x_spec, w_spec = inputs.split(",")
-  return x_spec, w_spec, out
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum_vjp(spec: str, x, w):
   """jnp.einsum(spec, x, w), its backward written as two einsums (every index of one operand must
@@ -43,7 +38,7 @@ def _einsum_fwd(spec, x, w):
 
 def _einsum_bwd(spec, residuals, g):
   x, w = residuals
-  x_spec, w_spec, out = _operand_specs(spec)
+  x_spec, w_spec, out = fp8.operand_specs(spec)
   dx = jnp.einsum(f"{out},{w_spec}->{x_spec}", g, w)
   dw = jnp.einsum(f"{x_spec},{out}->{w_spec}", x, g)
   return dx.astype(x.dtype), dw.astype(w.dtype)

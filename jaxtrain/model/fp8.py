@@ -39,13 +39,15 @@ def quantize(x, dtype):
   return jnp.clip(x / scale, -fmax, fmax).astype(dtype), scale
 
 
-def _specs(spec):
+def operand_specs(spec):
+  """(x, w, output) index strings of a two-operand projection einsum; an index of one operand
+  that is in neither the output nor the other operand is refused (its gradient is no einsum)."""
   inputs, out = spec.replace(" ", "").split("->")
   x_spec, w_spec = inputs.split(",")
   if (not set(x_spec) <= set(out + w_spec) or not set(w_spec) <= set(out + x_spec)
       or len(set(out)) < len(out)):
     raise ValueError(
-        f"fp8 einsum {spec!r}: every operand index must appear in the output or the other operand")
+        f"einsum {spec!r}: every operand index must appear in the output or the other operand")
   return x_spec, w_spec, out
 
 
@@ -67,7 +69,7 @@ def _fp8_einsum_fwd(spec, x, w):
 
 def _fp8_einsum_bwd(spec, res, g):
   xq, sx, wq, sw, x_dtype, w_dtype = res
-  x_spec, w_spec, out = _specs(spec)
+  x_spec, w_spec, out = operand_specs(spec)
   gq, sg = quantize(g, E5M2)
   dx = _dot(f"{out},{w_spec}->{x_spec}", gq, wq, sg * sw)
   dw = _dot(f"{x_spec},{out}->{w_spec}", xq, gq, sx * sg)
@@ -84,7 +86,7 @@ def einsum(spec, x, w, mode="off"):
   if mode == "off":
     return jnp.einsum(spec, x, w)
   if mode == "current":
-    _specs(spec)
+    operand_specs(spec)
     return _fp8_einsum(spec, x, w)
   raise ValueError(f"fp8: unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
